@@ -1,0 +1,77 @@
+"""The wire format and the two collectives the hook issues.
+
+Sparse groups travel as ONE packed all-gather per group: every rank contributes a
+float32 tensor of fixed length ``2 * k + 1`` - the k selected values, their k int32
+indices bit-cast into the same float32 storage, and one status word (1.0 when this
+rank's input held NaN/Inf, so every rank learns that the step is non-finite). One collective instead of two
+(values, then indices) halves the startup latency alpha paid per group, and the fixed
+length is what gloo's all-gather requires (equal sizes on every rank).
+
+Dense groups travel as an all-reduce of the concatenated gradient.
+
+Everything here only *issues* collectives and returns futures; nothing waits. The
+hook must issue collectives from its own thread, in the same order on every rank -
+never from a future callback (that deadlocks gloo).
+"""
+
+import torch
+import torch.distributed as dist
+
+# bytes each selected element costs on the wire: one float32 value + one int32 index
+VALUE_BYTES = 4
+INDEX_BYTES = 4
+MAX_INDEX = torch.iinfo(torch.int32).max
+
+# torch >= 2.13 prefers all_gather_single; older releases only have the *_into_tensor name.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def payload_numel(k):
+    """Length (float32 elements) of one rank's packed payload carrying k entries."""
+    return 2 * k + 1
+
+
+def payload_bytes(k):
+    """Bytes one rank contributes for k entries (what the cost model's beta multiplies)."""
+    return 4 * payload_numel(k)
+
+
+def pack_sparse(values, indices, nonfinite=False):
+    """Pack k values (any float dtype), k int64 indices and a status word into float32."""
+    k = values.numel()
+    if indices.numel() != k:
+        raise ValueError(f"pack_sparse: {k} values but {indices.numel()} indices")
+    payload = torch.empty(payload_numel(k), dtype=torch.float32, device=values.device)
+    payload[:k].copy_(values)
+    # int32 covers groups of up to 2**31 - 1 elements; the hook checks the group size.
+    payload[k : 2 * k].view(torch.int32).copy_(indices)
+    payload[2 * k] = 1.0 if nonfinite else 0.0
+    return payload
+
+
+def unpack_gathered(gathered, world_size, k):
+    """Split all-gathered payloads into (values, indices, nonfinite_any).
+
+    values: float32 (world_size, k); indices: int64 (world_size, k), ready for
+    ``index_add_``; nonfinite_any: True when any rank flagged NaN/Inf input.
+    """
+    rows = gathered.view(world_size, payload_numel(k))
+    values = rows[:, :k]
+    indices = rows[:, k : 2 * k].contiguous().view(torch.int32).to(torch.int64)
+    nonfinite_any = bool((rows[:, 2 * k] != 0).any())
+    return values, indices, nonfinite_any
+
+
+def allgather_async(payload, process_group=None):
+    """Issue the all-gather of ``payload``; return (future, output tensor of world_size * len)."""
+    world_size = dist.get_world_size(process_group)
+    out = payload.new_empty(world_size * payload.numel())
+    work = all_gather_flat(out, payload, group=process_group, async_op=True)
+    # gloo's future yields per-rank chunks, not `out`: callers read `out` after the wait.
+    return work.get_future(), out
+
+
+def allreduce_async(tensor, process_group=None):
+    """Issue an in-place SUM all-reduce of ``tensor``; return its future."""
+    work = dist.all_reduce(tensor, group=process_group, async_op=True)
+    return work.get_future()

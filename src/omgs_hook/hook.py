@@ -1,0 +1,610 @@
+"""The OMGS-SGD DDP communication hook: merged-group top-k sparsification with error feedback.
+
+Algorithm (per training step, i.e. per DDP backward pass):
+
+1. DDP calls :func:`omgs_hook` once per gradient bucket, in ready order. The hook
+   records when each bucket arrived (its share of backward time) and returns a Future
+   for it.
+2. Buckets are merged into **groups** by the current plan. A group is a run of
+   neighbouring buckets, stored as the list of its parameters, so a group may span
+   several buckets and - after DDP rebuilt its buckets or restarted with one - a bucket
+   may hold several groups. A group is sent as soon as all of its parameters arrived.
+3. For a sparse group of D elements: ``acc = gradient + residual`` (fp32, concatenated
+   in the group's canonical parameter order); the ``k = max(1, ceil(density * D))``
+   entries of largest magnitude are selected; the residual keeps everything that was not
+   sent; values, int32 indices and a status word travel in ONE all-gather of a
+   fixed-length packed payload; the result is ``index_add`` of every rank's entries,
+   divided by the world size, written back into the bucket buffers.
+   A dense group (the cost model found an all-reduce cheaper, or warm-up, or
+   ``density=1``) sends ``gradient + residual`` with an all-reduce; its residual is zero
+   afterwards.
+4. When every group covering a bucket has been written back, that bucket's Future is
+   completed. By the last bucket every group has been issued, so no Future stays pending.
+5. Residual updates are committed once per step, after every group finished; a step in
+   which any rank saw NaN/Inf, or a collective failed, commits nothing.
+
+Planning: the first ``warmup_steps`` steps run dense all-reduce per bucket while the
+hook measures each bucket's backward time. Then the OMGS optimiser
+(:mod:`omgs_hook.planner`) computes the plan from the per-bucket measurements averaged
+over ranks, the profile's collective cost ``alpha + beta * bytes`` and top-k cost
+``c0 + c1*D + c2*D*log2(D)``, and re-computes it every ``replan_every`` steps (and when
+DDP's bucket layout changed for good). All ranks derive the plan from the same
+all-gathered numbers and compare a checksum; a mismatch raises.
+
+Collectives are issued only from the hook itself (the autograd thread), in plan order,
+identically on every rank. Future callbacks do local work only: a collective or wait
+inside a callback deadlocks gloo.
+"""
+
+import logging
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from . import communicator
+from . import planner as planner_mod
+from . import topk as topk_mod
+from .cost_model import Instance, LinearCost, Unit
+from .group_exchange import StepExchange
+from .group_plan import GroupPlan
+from .measurements import BackwardMeter
+from .profile_file import Profile, default_profile, load_profile, profile_mismatches
+from .residual_memory import ResidualMemory
+
+logger = logging.getLogger("omgs_hook")
+
+STATE_FORMAT_VERSION = 1
+NONFINITE_POLICIES = ("skip", "raise")
+WORLD_SIZE_POLICIES = ("error", "reset")
+# A bucket layout that differs from the plan's must persist this many steps before it
+# forces a re-plan: DDP's one-bucket iterations after a (re)start are transient.
+LAYOUT_SETTLE_STEPS = 3
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class OMGSState:
+    r"""State of the OMGS hook: options, residuals, measurements and the current plan.
+
+    Args:
+        process_group: the process group to communicate over (None: the default group).
+        density (float): fraction rho of each group's elements that is sent, in (0, 1].
+            ``1.0`` means plain all-reduce (no sparsification, no residual).
+        strategy (str): how buckets are merged into groups: ``"optimal"`` (default, the
+            exact minimum of the cost model - OMGS), ``"greedy"`` (the paper's merge
+            rule), ``"single"`` (one group: TopK-SGD), ``"layerwise"`` (every bucket
+            alone: LAGS-SGD) or ``"threshold:BYTES"`` (close a group at BYTES of gradient).
+        warmup_steps (int): steps of dense all-reduce at the start, used to measure
+            backward times and to let DDP rebuild its buckets. Default 5.
+        replan_every (int): re-compute the plan every this many steps. Default 100.
+        profile: path of a profile JSON written by ``omgs-profile`` (or a ``Profile``);
+            None uses the documented defaults of :func:`omgs_hook.profile_file.default_profile`.
+            A profile measured with another world size, backend or device type is used
+            but warned about.
+        topk_backend (str): ``"auto"`` (CuPy kernel on CUDA when available, else the exact
+            sampled-threshold selector), ``"torch"``, ``"sampled"`` or ``"cupy"``.
+        allow_dense (bool): let the planner send a group as a dense all-reduce where the
+            cost model says that is cheaper. Default True.
+        refit_online (bool): refit alpha/beta of the sparse all-gather from the hook's own
+            timed collectives at every re-plan (averaged across ranks), so the plan
+            follows the real network. Costs a clock read per collective; noisy on shared
+            machines. Default False.
+        nonfinite (str): what to do when any rank's gradient holds NaN/Inf: ``"skip"``
+            (default) - every rank gets a non-finite gradient for the affected group (so
+            an AMP ``GradScaler`` skips the step) and the residual stays exactly as it
+            was; ``"raise"`` - raise from ``backward()``.
+        log_every (int): log a one-line summary at INFO every this many steps (0: never).
+        module: the model (``ddp_model.module``). Gives residuals their parameter names
+            in ``state_dict()`` and times the forward pass. :func:`register` passes it.
+        measure_window (int): steps of backward timings the planner's medians use.
+        on_world_size_change (str): when ``load_state_dict`` gets a state saved with
+            another world size: ``"error"`` (default) or ``"reset"`` (drop the residuals,
+            logging their norm - they were error feedback of another rank split).
+    """
+
+    def __init__(
+        self,
+        process_group=None,
+        density=0.001,
+        strategy="optimal",
+        warmup_steps=5,
+        replan_every=100,
+        profile=None,
+        topk_backend="auto",
+        allow_dense=True,
+        refit_online=False,
+        nonfinite="skip",
+        log_every=100,
+        module=None,
+        measure_window=32,
+        on_world_size_change="error",
+    ):
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not (
+            0.0 < float(density) <= 1.0
+        ) or math.isnan(float(density)):
+            raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+        self.density = float(density)
+        try:
+            self.strategy = planner_mod.parse_strategy(strategy)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"strategy: {exc}") from None
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.replan_every = _check_int("replan_every", replan_every, 1)
+        self.log_every = _check_int("log_every", log_every, 0)
+        measure_window = _check_int("measure_window", measure_window, 1)
+        valid_backends = ("auto",) + tuple(topk_mod.BACKENDS)
+        if topk_backend not in valid_backends:
+            raise ValueError(
+                f"topk_backend must be one of {', '.join(valid_backends)}, got {topk_backend!r}"
+            )
+        self.topk_backend = topk_backend
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        if on_world_size_change not in WORLD_SIZE_POLICIES:
+            raise ValueError(
+                f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}, "
+                f"got {on_world_size_change!r}"
+            )
+        self.on_world_size_change = on_world_size_change
+        self.allow_dense = bool(allow_dense)
+        self.refit_online = bool(refit_online)
+
+        if profile is None or isinstance(profile, Profile):
+            self._profile_arg = profile
+        elif isinstance(profile, (str, bytes)) or hasattr(profile, "__fspath__"):
+            self._profile_arg = load_profile(profile)  # ProfileError names the problem
+        else:
+            raise TypeError(f"profile must be a path, a Profile or None, got {type(profile).__name__}")
+        self.profile = None  # resolved at the first step (needs the device and world size)
+
+        self.process_group = process_group
+        self.module = module
+        self._names = {}
+        self._shapes = {}
+        if module is not None:
+            self._index_module(module)
+
+        self.memory = ResidualMemory()
+        self.meter = BackwardMeter(window=measure_window)
+        self.plan = None
+        self.step = 0
+        self._selector = None
+        self._device = None
+        self._exchange = None
+        self._consistency_checked = False
+        self._layout_streak = (None, 0)
+        self._fitter = None
+        if self.refit_online:
+            from .fitting import OnlineLinearFitter
+
+            self._fitter = OnlineLinearFitter()
+        self._comm_override = None
+        self._loaded_world_size = None
+        self._last = None
+        self._totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "elements": 0,
+                        "selected": 0, "nonfinite_steps": 0, "replans": 0}
+        self._hooks = []
+        if module is not None:
+            self._hooks.append(module.register_forward_pre_hook(self._on_forward_pre))
+            self._hooks.append(module.register_forward_hook(self._on_forward))
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _index_module(self, module):
+        for name, param in module.named_parameters():
+            if not param.requires_grad:
+                continue
+            if not param.is_floating_point():
+                raise TypeError(
+                    f"parameter {name!r} has dtype {param.dtype}: OMGS sparsifies floating-"
+                    "point gradients only"
+                )
+            self._names[id(param)] = name
+            self._shapes[name] = tuple(param.shape)
+
+    def _key(self, param):
+        key = self._names.get(id(param))
+        if key is None:
+            # No module given: name parameters by first appearance (bucket order), which is
+            # the same on every rank and in every run of the same script.
+            key = f"param{len(self._names)}"
+            self._names[id(param)] = key
+            self._shapes[key] = tuple(param.shape)
+        return key
+
+    def _on_forward_pre(self, module, args):
+        self.meter.forward_started()
+
+    def _on_forward(self, module, args, output):
+        self.meter.forward_finished()
+
+    @property
+    def world_size(self):
+        return dist.get_world_size(self.process_group)
+
+    def _first_bucket_setup(self, bucket):
+        device = bucket.buffer().device
+        if not bucket.buffer().is_floating_point():
+            raise TypeError(f"OMGS needs floating-point gradients, got {bucket.buffer().dtype}")
+        self._device = device
+        self.meter.use_device(device)
+        self._selector = topk_mod.get_selector(self.topk_backend, device)
+        world = self.world_size
+        if self._profile_arg is None:
+            self.profile = default_profile(device.type if device.type in ("cpu", "cuda") else "cpu",
+                                           world_size=world)
+        else:
+            self.profile = self._profile_arg
+            for problem in profile_mismatches(self.profile, world,
+                                              dist.get_backend(self.process_group), device.type):
+                warnings.warn(f"omgs_hook: {problem}", RuntimeWarning, stacklevel=2)
+        self.memory.move_to(device)
+
+    # ------------------------------------------------------------ cross-rank agreement
+    def _gather_rows(self, values, dtype=torch.float64):
+        """All-gather one row of numbers per rank (blocking, from the hook only)."""
+        row = torch.tensor(values, dtype=dtype, device=self._device)
+        out = torch.empty(self.world_size * row.numel(), dtype=dtype, device=self._device)
+        communicator.all_gather_flat(out, row, group=self.process_group)
+        return out.view(self.world_size, row.numel()).cpu()
+
+    def _fingerprint(self):
+        """Per-field digests of what every rank must agree on, with readable values."""
+        prof = self.profile
+        fields = {
+            "density": repr(self.density),
+            "strategy": self.strategy,
+            "warmup_steps": repr(self.warmup_steps),
+            "replan_every": repr(self.replan_every),
+            "allow_dense": repr(self.allow_dense),
+            "refit_online": repr(self.refit_online),
+            "nonfinite": self.nonfinite,
+            "topk_backend": self._selector.name,
+            "profile": repr((prof.comm, prof.dense, prof.topk_for(self._selector.name))),
+            "step": repr(self.step),
+            "plan": repr(self.plan.checksum() if self.plan is not None else None),
+        }
+        return fields
+
+    def _check_consistency(self):
+        import hashlib
+
+        fields = self._fingerprint()
+        digests = [int.from_bytes(hashlib.sha256(v.encode()).digest()[:7], "big")
+                   for v in fields.values()]
+        table = self._gather_rows(digests, dtype=torch.int64)
+        differing = [name for col, name in enumerate(fields)
+                     if len(set(table[:, col].tolist())) > 1]
+        if differing:
+            detail = ", ".join(f"{name} (this rank: {fields[name]})" for name in differing)
+            raise RuntimeError(
+                f"omgs_hook: ranks are configured differently: {detail}. Every rank must "
+                "use the same options, profile and (when resuming) state."
+            )
+
+    # ------------------------------------------------------------------ the hook body
+    def _in_dense_mode(self):
+        return self.density >= 1.0 or self.step < self.warmup_steps
+
+    def on_bucket(self, bucket):
+        index = bucket.index()
+        exchange = None
+        try:
+            if index == 0:
+                self._begin_step(bucket)
+            exchange = self._exchange
+            self.meter.bucket_arrived(index)
+            keys = [self._key(p) for p in bucket.parameters()]
+            for key, param in zip(keys, bucket.parameters()):
+                self.memory.note_shape(key, param.shape)
+            future = exchange.add_bucket(bucket, keys)
+            if self._in_dense_mode():
+                exchange.send_group(keys, dense=True)
+            else:
+                self._send_ready_groups(exchange)
+            if bucket.is_last():
+                if not self._in_dense_mode():
+                    self._flush(exchange)
+                exchange.finish_issuing()
+                self._end_step(exchange)
+            self.meter.bucket_done()
+        except BaseException as exc:
+            if exchange is not None:
+                exchange.fail_all(exc)
+            raise
+        return future
+
+    def _begin_step(self, bucket):
+        if self._device is None:
+            self._first_bucket_setup(bucket)
+        if self._exchange is not None and not self._exchange.finished:
+            # The previous backward raised midway: its staged residuals are dropped.
+            self._exchange.fail_all(RuntimeError("backward pass abandoned"))
+        if not self._consistency_checked:
+            self._check_consistency()
+            self._consistency_checked = True
+        self._exchange = StepExchange(
+            self.memory, self._selector, self.process_group, self.world_size, self.density,
+            on_finished=self._on_step_finished,
+            on_comm_sample=self._fitter.add if self._fitter is not None else None,
+            raise_on_nonfinite=self.nonfinite == "raise",
+        )
+        self._pending_groups = list(range(len(self.plan.groups))) if self.plan is not None else []
+
+    def _send_ready_groups(self, exchange):
+        """Issue, in plan order, every not-yet-sent group whose parameters all arrived."""
+        if self.plan is None:
+            return
+        still_pending = []
+        for g in self._pending_groups:
+            keys = self.plan.groups[g]
+            if all(key in exchange.arrived for key in keys):
+                exchange.send_group(keys, dense=self.plan.dense[g])
+            else:
+                still_pending.append(g)
+        self._pending_groups = still_pending
+
+    def _flush(self, exchange):
+        """At the last bucket: send what the plan left (partial groups, unknown parameters)."""
+        if self.plan is not None:
+            for g in self._pending_groups:
+                keys = [k for k in self.plan.groups[g] if k in exchange.arrived and k not in exchange.sent]
+                if keys:
+                    exchange.send_group(keys, dense=self.plan.dense[g])
+            self._pending_groups = []
+        leftover = [k for bucket in exchange.layout for k in bucket if k not in exchange.sent]
+        if leftover:
+            exchange.send_group(leftover, dense=False)
+
+    def _end_step(self, exchange):
+        layout = tuple(exchange.layout)
+        self.meter.end_step(layout)
+        previous, streak = self._layout_streak
+        self._layout_streak = (layout, streak + 1 if previous == layout else 1)
+        self.step += 1
+        if self.density < 1.0 and self.step >= self.warmup_steps and self._replan_due(layout):
+            self._replan(layout)
+
+    def _replan_due(self, layout):
+        if self.plan is None:
+            return True
+        if self.step - self.plan.made_at_step >= self.replan_every:
+            return True
+        settled_layout, streak = self._layout_streak
+        return layout != self.plan.layout and streak >= LAYOUT_SETTLE_STEPS
+
+    def _replan(self, layout):
+        """Compute the plan for ``layout`` from rank-averaged measurements (blocking)."""
+        backward = self.meter.backward_s() if self.meter.layout == layout else []
+        if len(backward) != len(layout):
+            backward = [0.0] * len(layout)
+        local = list(backward) + [self.meter.forward_s()]
+        fit = self._fitter.fit() if self._fitter is not None else None
+        local += [fit.alpha_s, fit.beta_s_per_byte, 1.0] if fit is not None else [0.0, 0.0, 0.0]
+        rows = self._gather_rows(local)
+        mean = [float(x) for x in rows.mean(dim=0)]  # same order on every rank: identical
+        comm = self.profile.comm
+        if self._fitter is not None and float(rows[:, -1].min()) > 0:
+            comm = LinearCost(alpha_s=max(0.0, mean[-3]), beta_s_per_byte=max(0.0, mean[-2]))
+        self._comm_override = comm if comm is not self.profile.comm else None
+        numels = [sum(math.prod(self._shapes[k]) for k in bucket) for bucket in layout]
+        instance = Instance(
+            layers=tuple(Unit(numel=n, backward_s=b) for n, b in zip(numels, mean[: len(layout)])),
+            world_size=self.world_size,
+            density=self.density,
+            forward_s=mean[len(layout)],
+            comm=comm,
+            topk=self.profile.topk_for(self._selector.name),
+            dense=self.profile.dense if self.allow_dense else None,
+        )
+        unit_plan = planner_mod.make_plan(instance, self.strategy)
+        plan = GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=self.step)
+        checksums = self._gather_rows([plan.checksum()], dtype=torch.int64)[:, 0].tolist()
+        if len(set(checksums)) > 1:
+            raise RuntimeError(
+                f"omgs_hook: ranks computed different plans at step {self.step} "
+                f"(checksums {checksums}); refusing to continue with mismatched collectives"
+            )
+        self.plan = plan
+        self._last_instance = instance
+        self._totals["replans"] += 1
+        logger.debug("omgs_hook: step %d new plan %s", self.step, plan.unit_groups())
+
+    # ----------------------------------------------------------------- step results
+    def _on_step_finished(self, exchange):
+        if exchange.nonfinite:
+            self._totals["nonfinite_steps"] += 1
+        if exchange.error is not None:
+            return
+        records = exchange.records
+        numel = sum(r.numel for r in records)
+        selected = sum(r.selected for r in records)
+        nbytes = sum(r.bytes for r in records)
+        dense_bytes = sum(r.numel * 4 for r in records)
+        start = self.meter.wall_step_start
+        self._last = {
+            "step": self.step,
+            "bytes_sent": nbytes,
+            "dense_bytes": dense_bytes,
+            "elements": numel,
+            "selected": selected,
+            "density": selected / numel if numel else 0.0,
+            "groups": len(records),
+            "dense_groups": sum(1 for r in records if r.dense),
+            "group_keys": [list(r.keys) for r in records],
+            "group_dense": [r.dense for r in records],
+            "nonfinite": exchange.nonfinite,
+            "forward_backward_comm_s": (exchange.finish_wall - start) if start is not None else None,
+        }
+        t = self._totals
+        t["steps"] += 1
+        t["bytes_sent"] += nbytes
+        t["dense_bytes"] += dense_bytes
+        t["elements"] += numel
+        t["selected"] += selected
+        if self.log_every and self.step % self.log_every == 0:
+            logger.info("omgs_hook: %s", self.summary_line())
+
+    def stats(self):
+        """Metrics of the last completed step and cumulative totals.
+
+        Returns a dict with ``"last"`` (bytes sent by this rank, elements, selected
+        entries, achieved density, number of groups, dense groups, whether the step was
+        non-finite, measured forward+backward+communication seconds), ``"total"``
+        (the same summed, plus re-plans), ``"plan"`` (groups as bucket indices, modes,
+        strategy, predicted iteration seconds), ``"backward_s_per_unit"`` (median
+        measured per bucket), ``"forward_s"``, ``"measured_iteration_s"`` (forward start
+        to forward start) and ``"predicted_iteration_s"``.
+        """
+        total = dict(self._totals)
+        total["density"] = total["selected"] / total["elements"] if total["elements"] else 0.0
+        total["compression"] = total["dense_bytes"] / total["bytes_sent"] if total["bytes_sent"] else 0.0
+        plan = None
+        if self.plan is not None:
+            plan = {
+                "strategy": self.plan.strategy,
+                "groups": self.plan.unit_groups(),
+                "dense": list(self.plan.dense),
+                "num_groups": len(self.plan.groups),
+                "made_at_step": self.plan.made_at_step,
+                "predicted_iteration_s": self.plan.predicted_iteration_s,
+            }
+        return {
+            "step": self.step,
+            "last": dict(self._last) if self._last else None,
+            "total": total,
+            "plan": plan,
+            "backward_s_per_unit": self.meter.backward_s(),
+            "forward_s": self.meter.forward_s(),
+            "measured_iteration_s": self.meter.last_iteration_s,
+            "predicted_iteration_s": self.plan.predicted_iteration_s if self.plan else None,
+            "residual_norm": self.memory.total_norm(),
+        }
+
+    def summary_line(self):
+        s = self.stats()
+        last = s["last"] or {}
+        plan = s["plan"]
+        measured = s["measured_iteration_s"]
+        return (
+            f"step {s['step']} groups {last.get('groups', 0)}"
+            f" (dense {last.get('dense_groups', 0)}) density {last.get('density', 0):.4g}"
+            f" sent {last.get('bytes_sent', 0) / 1e6:.3f} MB"
+            f" compression {s['total']['compression']:.1f}x"
+            f" iter {measured if measured is None else round(measured, 4)} s"
+            f" predicted {None if plan is None else round(plan['predicted_iteration_s'], 4)} s"
+        )
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self):
+        """Tensors and plain values only (``torch.load(..., weights_only=True)`` works).
+
+        ``"residuals"`` maps each parameter name (as in ``module.named_parameters()``;
+        ``paramN`` without a module) to its residual, shaped like the parameter. Each
+        rank saves its own.
+        """
+        return {
+            "format_version": STATE_FORMAT_VERSION,
+            "step": self.step,
+            "world_size": self.world_size if dist.is_initialized() else None,
+            "rank": dist.get_rank(self.process_group) if dist.is_initialized() else None,
+            "density": self.density,
+            "strategy": self.strategy,
+            "residuals": self.memory.state_dict(),
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "measurements": self.meter.state_dict(),
+            "totals": dict(self._totals),
+        }
+
+    def load_state_dict(self, sd):
+        """Restore a ``state_dict()`` (before the first step of the new run).
+
+        Validates everything first and raises ValueError naming the problem: unknown
+        format, residuals for parameters the module does not have or of the wrong shape,
+        a different world size (see ``on_world_size_change``).
+        """
+        if not isinstance(sd, dict) or sd.get("format_version") != STATE_FORMAT_VERSION:
+            raise ValueError(
+                f"not an OMGSState state dict of format_version {STATE_FORMAT_VERSION}"
+            )
+        residuals = sd.get("residuals", {})
+        drop_residuals = False
+        saved_world = sd.get("world_size")
+        if saved_world is not None and dist.is_initialized() and saved_world != self.world_size:
+            if self.on_world_size_change == "error":
+                raise ValueError(
+                    f"state saved with world_size={saved_world}, this run has "
+                    f"world_size={self.world_size}: residuals are per-rank error feedback and "
+                    "cannot be re-split; pass on_world_size_change='reset' to drop them"
+                )
+            drop_residuals = True
+        if not drop_residuals:
+            self.memory.load_state_dict(residuals, self._shapes if self.module is not None else None)
+        else:
+            norm = sum(float(t.double().pow(2).sum()) for t in residuals.values()) ** 0.5
+            logger.warning(
+                "omgs_hook: world size changed %s -> %s: dropping residuals (L2 norm %.4g)",
+                saved_world, self.world_size, norm,
+            )
+            self.memory.load_state_dict({})
+        self.plan = GroupPlan.from_dict(sd["plan"]) if sd.get("plan") else None
+        if drop_residuals:
+            self.plan = None  # planned for another world size
+        self.step = int(sd.get("step", 0))
+        self.meter.load_state_dict(sd.get("measurements") or {})
+        for k, v in (sd.get("totals") or {}).items():
+            if k in self._totals:
+                self._totals[k] = int(v)
+        if self._device is not None:
+            self.memory.move_to(self._device)
+
+    def close(self):
+        """Remove the forward hooks this state put on the module."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def omgs_hook(state, bucket):
+    """DDP communication hook implementing OMGS-SGD (see :class:`OMGSState`).
+
+    Register with ``ddp_model.register_comm_hook(OMGSState(...), omgs_hook)`` or, better,
+    :func:`register` (which also gives residuals their parameter names).
+    """
+    return state.on_bucket(bucket)
+
+
+def register(ddp_model, **options):
+    """Validate ``options``, build an :class:`OMGSState` for ``ddp_model`` and register the hook.
+
+    ``options`` are :class:`OMGSState`'s arguments; ``process_group`` defaults to the
+    model's. Returns the state (keep it for ``stats()`` and ``state_dict()``).
+    Raises TypeError for a non-DDP model and RuntimeError when a hook is registered already.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"omgs_hook.register needs a torch.nn.parallel.DistributedDataParallel model, "
+            f"got {type(ddp_model).__name__}"
+        )
+    if getattr(ddp_model, "_omgs_state", None) is not None:
+        raise RuntimeError("omgs_hook.register: this DDP model already has the OMGS hook")
+    options.setdefault("process_group", ddp_model.process_group)
+    state = OMGSState(module=ddp_model.module, **options)
+    try:
+        ddp_model.register_comm_hook(state, omgs_hook)
+    except RuntimeError as exc:
+        state.close()
+        raise RuntimeError(f"omgs_hook.register: DDP refused the hook ({exc})") from exc
+    ddp_model._omgs_state = state
+    return state
+
+
+omgs_hook.register = register
