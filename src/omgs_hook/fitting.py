@@ -1,0 +1,318 @@
+"""Fitting the planner's cost models to measured timings (pure numpy, no torch, no scipy).
+
+The planner needs two kinds of cost model (see ``omgs_hook.cost_model``):
+
+* a collective: ``t(bytes) = alpha + beta * bytes`` (``LinearCost``), for the packed
+  sparse all-gather and for the dense all-reduce;
+* a top-k selection: ``t(D) = c0 + c1 * D + c2 * D * log2(D)`` (``TopkCost``).
+
+Why plain least squares is not good enough
+------------------------------------------
+Measured collective times span four orders of magnitude (0.25 ms at 1 KB, 70 ms at
+40 MB on gloo loopback) and the largest messages grow *faster* than linearly (caches,
+memory bandwidth, TCP windows). Ordinary least squares minimises absolute errors, so it
+is dominated by the two largest sizes and tilts the line steeply enough that its
+intercept alpha comes out **negative** - a model that says small messages are free,
+which is exactly the regime where merging groups matters. Two remedies are used here:
+
+1. **Relative-error weighting.** We minimise ``sum(((model(x_i) - t_i) / t_i) ** 2)``,
+   i.e. every point counts by its *relative* error, so 1 KB and 8 MB messages matter
+   equally. This is ordinary least squares on rows divided by ``t_i``.
+2. **Non-negative coefficients.** All coefficients are physical costs, so the fit is a
+   non-negative least-squares problem (NNLS). With at most a handful of coefficients the
+   exact NNLS optimum is found by enumerating the supports (see
+   :func:`nonnegative_least_squares`); no iterative solver and no scipy.
+
+Every fit reports each point's relative error ``(model - measured) / measured`` so a
+poor fit (e.g. a super-linear tail the linear model cannot follow) is visible in the
+profile file rather than hidden in two numbers.
+
+``OnlineLinearFitter`` refits alpha/beta during training from the hook's own timed
+collectives (``refit_online=True``); see its docstring and docs/calibration.md for the
+trade-offs.
+"""
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from omgs_hook.cost_model import LinearCost, TopkCost
+
+# Enumerating supports costs 2**n least-squares solves: fine for the 2-3 coefficients
+# used here, pointless beyond this.
+_MAX_NNLS_COLUMNS = 12
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """Result of :func:`fit_linear_relative`.
+
+    alpha_s: fitted start-up time in seconds (>= 0).
+    beta_s_per_byte: fitted time per byte in seconds (>= 0).
+    rel_errors: one ``(predicted - measured) / measured`` per input point, in input order.
+    """
+
+    alpha_s: float
+    beta_s_per_byte: float
+    rel_errors: tuple
+
+    @property
+    def max_abs_rel_error(self):
+        """Largest absolute relative error over the fitted points."""
+        return max(abs(e) for e in self.rel_errors)
+
+    def to_cost(self):
+        """The fit as the planner's ``LinearCost``."""
+        return LinearCost(alpha_s=self.alpha_s, beta_s_per_byte=self.beta_s_per_byte)
+
+
+@dataclass(frozen=True)
+class TopkFit:
+    """Result of :func:`fit_topk`: ``t(D) = c0 + c1*D + c2*D*log2(D)``, all coefficients >= 0.
+
+    rel_errors: one ``(predicted - measured) / measured`` per input point, in input order.
+    """
+
+    c0: float
+    c1: float
+    c2: float
+    rel_errors: tuple
+
+    @property
+    def max_abs_rel_error(self):
+        """Largest absolute relative error over the fitted points."""
+        return max(abs(e) for e in self.rel_errors)
+
+    def to_cost(self):
+        """The fit as the planner's ``TopkCost``."""
+        return TopkCost(c0=self.c0, c1=self.c1, c2=self.c2)
+
+
+def nonnegative_least_squares(matrix, target):
+    """Solve ``min ||matrix @ x - target||_2`` subject to ``x >= 0`` exactly.
+
+    The NNLS optimum ``x*`` with support ``S`` (its non-zero entries) is the unconstrained
+    least-squares solution restricted to the columns in ``S`` (a KKT condition), and it is
+    feasible. Conversely every support whose unconstrained solution is non-negative gives a
+    feasible point, whose residual cannot beat the optimum. So the optimum is the best
+    feasible solution over all ``2**n`` supports - exact, with no tolerances to tune, and
+    cheap for the two or three columns of the cost models.
+
+    Columns are scaled to unit norm before solving (top-k columns ``1``, ``D`` and
+    ``D*log2(D)`` differ by ten orders of magnitude) and the solution is scaled back.
+
+    Returns the solution as a 1-D float array of length ``matrix.shape[1]``.
+    """
+    a = np.asarray(matrix, dtype=float)
+    b = np.asarray(target, dtype=float)
+    if a.ndim != 2:
+        raise ValueError(f"matrix: must be 2-D, got shape {a.shape}")
+    rows, cols = a.shape
+    if b.shape != (rows,):
+        raise ValueError(f"target: must have shape ({rows},), got {b.shape}")
+    if cols == 0 or cols > _MAX_NNLS_COLUMNS:
+        raise ValueError(f"matrix: must have 1..{_MAX_NNLS_COLUMNS} columns, got {cols}")
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        raise ValueError("matrix and target: must be finite")
+
+    norms = np.linalg.norm(a, axis=0)
+    # an all-zero column can only ever get coefficient 0
+    usable = norms > 0
+    scale = np.where(usable, norms, 1.0)
+    scaled = a / scale
+
+    best = np.zeros(cols)
+    best_residual = float(np.linalg.norm(b))  # the empty support: x = 0
+    candidates = [c for c in range(cols) if usable[c]]
+    for size in range(1, len(candidates) + 1):
+        for support in itertools.combinations(candidates, size):
+            sub = scaled[:, support]
+            solution, _, rank, _ = np.linalg.lstsq(sub, b, rcond=None)
+            # a rank-deficient support is covered by one of its smaller subsets
+            if rank < size or np.any(solution < 0):
+                continue
+            residual = float(np.linalg.norm(sub @ solution - b))
+            if residual < best_residual:
+                best_residual = residual
+                best = np.zeros(cols)
+                best[list(support)] = solution
+    return best / scale
+
+
+def _as_samples(name_x, xs, name_t, ts):
+    x = np.asarray(xs, dtype=float).ravel()
+    t = np.asarray(ts, dtype=float).ravel()
+    if x.shape != t.shape:
+        raise ValueError(
+            f"{name_x} and {name_t}: must have the same length, got {x.size} and {t.size}")
+    if x.size == 0:
+        raise ValueError(f"{name_x}: no samples given")
+    if not np.all(np.isfinite(x)) or np.any(x < 0):
+        raise ValueError(f"{name_x}: must be finite and non-negative")
+    if not np.all(np.isfinite(t)) or np.any(t <= 0):
+        # relative weighting divides by t: a zero or negative time cannot be weighted
+        raise ValueError(f"{name_t}: must be finite and positive")
+    return x, t
+
+
+def _relative_fit(design, t):
+    """NNLS of ``design @ c ~ t`` weighted by 1/t; returns (coefficients, relative errors)."""
+    weighted = design / t[:, None]
+    coefficients = nonnegative_least_squares(weighted, np.ones_like(t))
+    predicted = design @ coefficients
+    rel_errors = tuple(float(e) for e in (predicted - t) / t)
+    return coefficients, rel_errors
+
+
+def fit_linear_relative(nbytes, seconds):
+    """Fit ``t = alpha + beta * bytes`` minimising relative errors, with alpha, beta >= 0.
+
+    nbytes: message sizes in bytes (any non-negative numbers; repeats allowed, e.g. every
+        repetition of a size, or one median per size).
+    seconds: the measured time of each message, same length, all > 0.
+
+    Needs at least two distinct sizes (one size cannot separate start-up from per-byte
+    cost). Returns a :class:`LinearFit` with each point's relative error.
+    """
+    x, t = _as_samples("nbytes", nbytes, "seconds", seconds)
+    if np.unique(x).size < 2:
+        raise ValueError("nbytes: need at least 2 distinct message sizes to fit alpha and beta")
+    design = np.column_stack([np.ones_like(x), x])
+    (alpha, beta), rel_errors = _relative_fit(design, t)
+    return LinearFit(alpha_s=float(alpha), beta_s_per_byte=float(beta), rel_errors=rel_errors)
+
+
+def fit_topk(numel, seconds):
+    """Fit ``t = c0 + c1*D + c2*D*log2(D)`` minimising relative errors, with c0, c1, c2 >= 0.
+
+    numel: tensor sizes D (>= 1) the selector was timed on.
+    seconds: the measured time of each selection, same length, all > 0.
+
+    ``c0`` is the fixed cost (kernel launches, Python), ``c1`` a streaming pass over the
+    data (abs, threshold), ``c2`` a sort-like term. Needs at least three distinct sizes.
+    Returns a :class:`TopkFit` with each point's relative error.
+    """
+    d, t = _as_samples("numel", numel, "seconds", seconds)
+    if np.any(d < 1):
+        raise ValueError("numel: every size must be >= 1")
+    if np.unique(d).size < 3:
+        raise ValueError("numel: need at least 3 distinct sizes to fit c0, c1 and c2")
+    design = np.column_stack([np.ones_like(d), d, d * np.log2(d)])
+    (c0, c1, c2), rel_errors = _relative_fit(design, t)
+    return TopkFit(c0=float(c0), c1=float(c1), c2=float(c2), rel_errors=rel_errors)
+
+
+class OnlineLinearFitter:
+    """Refit ``alpha``/``beta`` from the hook's own timed collectives (``refit_online=True``).
+
+    The hook times each collective it issues (bytes on the wire per rank, seconds from
+    issue to completion) and calls :meth:`add`. The fitter keeps only the most recent
+    ``window`` samples, so the model follows a network whose load changes, and refits with
+    the same relative-error NNLS as the offline profile.
+
+    Robustness: samples are grouped by size and each size contributes the *median* of its
+    recent times, so one slow step (a GC pause, a straggler) does not move the fit.
+
+    Returns ``None`` from :meth:`fit` until the window holds at least ``min_sizes``
+    distinct sizes whose largest is at least ``min_size_ratio`` times the smallest - a
+    hook whose plan has one group (or groups of nearly equal size) sends one size and can
+    never separate alpha from beta; it then keeps its profile.
+
+    Options:
+        window: number of most recent (bytes, seconds) samples kept (>= 2).
+        min_sizes: distinct sizes needed before fitting (>= 2).
+        min_size_ratio: required largest/smallest size ratio (>= 1); sizes closer than
+            this make beta ill-determined and the fit pure noise.
+
+    The hook must average the fitted numbers across ranks before planning: every rank
+    times its own collectives, and ranks that plan with different costs would form
+    different groups and deadlock.
+    """
+
+    def __init__(self, window=256, min_sizes=2, min_size_ratio=2.0):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise ValueError(f"window: must be an integer >= 2, got {window!r}")
+        if isinstance(min_sizes, bool) or not isinstance(min_sizes, int) or min_sizes < 2:
+            raise ValueError(f"min_sizes: must be an integer >= 2, got {min_sizes!r}")
+        if not (isinstance(min_size_ratio, (int, float)) and math.isfinite(min_size_ratio)
+                and min_size_ratio >= 1):
+            raise ValueError(
+                f"min_size_ratio: must be a finite number >= 1, got {min_size_ratio!r}")
+        self.window = window
+        self.min_sizes = min_sizes
+        self.min_size_ratio = float(min_size_ratio)
+        self._samples = deque(maxlen=window)
+
+    def __len__(self):
+        return len(self._samples)
+
+    @property
+    def samples(self):
+        """The kept (bytes, seconds) samples, oldest first."""
+        return list(self._samples)
+
+    @staticmethod
+    def _checked_sample(nbytes, seconds):
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+            raise ValueError(f"nbytes: must be a positive integer, got {nbytes!r}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.floating)):
+            raise ValueError(f"seconds: must be a number, got {seconds!r}")
+        seconds = float(seconds)
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"seconds: must be finite and positive, got {seconds!r}")
+        return int(nbytes), seconds
+
+    def add(self, nbytes, seconds):
+        """Record one timed collective of ``nbytes`` bytes that took ``seconds``."""
+        self._samples.append(self._checked_sample(nbytes, seconds))
+
+    def clear(self):
+        """Forget every sample (e.g. after the hook changed its process group)."""
+        self._samples.clear()
+
+    def medians(self):
+        """``{bytes: median seconds}`` over the window."""
+        by_size = {}
+        for nbytes, seconds in self._samples:
+            by_size.setdefault(nbytes, []).append(seconds)
+        return {size: float(np.median(times)) for size, times in sorted(by_size.items())}
+
+    def fit(self):
+        """Return the refitted ``LinearCost``, or ``None`` while the window cannot support a fit."""
+        medians = self.medians()
+        if len(medians) < self.min_sizes:
+            return None
+        sizes = list(medians)
+        if sizes[-1] < self.min_size_ratio * sizes[0]:
+            return None
+        return fit_linear_relative(sizes, list(medians.values())).to_cost()
+
+    def state_dict(self):
+        """Plain-Python state (for the hook's checkpoint; safe with ``weights_only`` loads)."""
+        return {
+            "window": self.window,
+            "min_sizes": self.min_sizes,
+            "min_size_ratio": self.min_size_ratio,
+            "samples": [list(s) for s in self._samples],
+        }
+
+    def load_state_dict(self, state):
+        """Restore samples saved by :meth:`state_dict` (options stay as constructed)."""
+        try:
+            samples = state["samples"]
+        except (KeyError, TypeError):
+            raise ValueError("state: expected a dict with a 'samples' list") from None
+        restored = []
+        for i, sample in enumerate(samples):
+            if not isinstance(sample, (list, tuple)) or len(sample) != 2:
+                raise ValueError(f"state.samples[{i}]: expected [bytes, seconds], got {sample!r}")
+            try:
+                restored.append(self._checked_sample(*sample))
+            except ValueError as error:
+                raise ValueError(f"state.samples[{i}].{error}") from None
+        # validated first, so a bad state leaves the current window untouched
+        self._samples.clear()
+        self._samples.extend(restored)

@@ -1,0 +1,203 @@
+"""Profile files: loading, validation errors naming the problem, defaults, mismatches."""
+
+import copy
+import json
+
+import pytest
+
+from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit, simulate
+from omgs_hook.profile_file import (
+    SCHEMA_VERSION,
+    Profile,
+    ProfileError,
+    default_profile,
+    load_profile,
+    profile_from_dict,
+    profile_mismatches,
+)
+
+VALID = {
+    "schema_version": SCHEMA_VERSION,
+    "created": "2025-01-01T00:00:00+00:00",
+    "world_size": 2,
+    "backend": "gloo",
+    "device": "cpu",
+    "device_name": "cpu",
+    "torch_version": "2.13.0+cpu",
+    "cupy_version": None,
+    "comm": {"alpha_s": 2.4e-4, "beta_s_per_byte": 1.1e-9},
+    "dense": {"alpha_s": 2.6e-4, "beta_s_per_byte": 6e-10},
+    "topk": {"backend": "sampled", "c0": 1e-5, "c1": 2e-9, "c2": 0.0},
+    "topk_all": {"sampled": {"c0": 1e-5, "c1": 2e-9, "c2": 0.0},
+                 "torch": {"c0": 2e-5, "c1": 1e-9, "c2": 1e-10}},
+    "settings": {"topk_density": 0.001},
+}
+
+
+def _write(tmp_path, document, name="profile.json"):
+    path = tmp_path / name
+    path.write_text(document if isinstance(document, str) else json.dumps(document))
+    return path
+
+
+def test_load_valid_profile(tmp_path):
+    path = _write(tmp_path, VALID)
+    profile = load_profile(path)
+    assert isinstance(profile, Profile)
+    assert profile.comm == LinearCost(alpha_s=2.4e-4, beta_s_per_byte=1.1e-9)
+    assert profile.dense == LinearCost(alpha_s=2.6e-4, beta_s_per_byte=6e-10)
+    assert profile.topk == TopkCost(c0=1e-5, c1=2e-9, c2=0.0)
+    assert profile.topk_backend == "sampled"
+    assert (profile.world_size, profile.backend, profile.device_type) == (2, "gloo", "cpu")
+    assert profile.path == str(path)
+    assert profile.topk_density == 0.001
+    assert profile.topk_for("torch") == TopkCost(c0=2e-5, c1=1e-9, c2=1e-10)
+    # an unmeasured backend falls back to the default one
+    assert profile.topk_for("cupy") == profile.topk
+
+
+def test_minimal_profile_without_optional_sections(tmp_path):
+    document = {key: VALID[key] for key in
+                ("schema_version", "world_size", "backend", "device", "comm", "dense", "topk")}
+    profile = load_profile(_write(tmp_path, document))
+    assert profile.topk_all == {"sampled": profile.topk}
+    assert profile.topk_density is None
+
+
+def test_profile_costs_drive_the_planner():
+    profile = profile_from_dict(VALID)
+    inst = Instance(layers=(Unit(1_000_000, 1e-3),), world_size=profile.world_size, density=0.01,
+                    forward_s=0.0, comm=profile.comm, topk=profile.topk, dense=profile.dense)
+    timeline = simulate(inst, [[0]])
+    k = 10_000
+    expected = 1e-3 + profile.topk.time(1_000_000) + profile.comm.time(8 * k)
+    assert timeline.predicted_iteration_s == pytest.approx(expected)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ProfileError, match="not found"):
+        load_profile(tmp_path / "nope.json")
+
+
+def test_not_json(tmp_path):
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        load_profile(_write(tmp_path, "{not json"))
+
+
+def test_not_an_object(tmp_path):
+    with pytest.raises(ProfileError, match="JSON object"):
+        load_profile(_write(tmp_path, "[1, 2]"))
+
+
+def test_a_directory_is_not_readable(tmp_path):
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_profile(tmp_path)
+
+
+def _mutate(path_keys, value):
+    document = copy.deepcopy(VALID)
+    target = document
+    for key in path_keys[:-1]:
+        target = target[key]
+    if value is _DELETE:
+        del target[path_keys[-1]]
+    else:
+        target[path_keys[-1]] = value
+    return document
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("keys, value, field, message", [
+    (("schema_version",), 2, "schema_version", "unsupported version 2"),
+    (("schema_version",), "1", "schema_version", "unsupported"),
+    (("schema_version",), True, "schema_version", "unsupported"),
+    (("schema_version",), _DELETE, "schema_version", "missing"),
+    (("world_size",), 0, "world_size", "positive integer"),
+    (("world_size",), 2.0, "world_size", "positive integer"),
+    (("world_size",), _DELETE, "world_size", "missing"),
+    (("backend",), "", "backend", "non-empty string"),
+    (("device",), _DELETE, "device", "missing"),
+    (("comm",), _DELETE, "comm", "missing"),
+    (("comm",), [1, 2], "comm", "must be an object"),
+    (("comm", "alpha_s"), -1e-4, "comm.alpha_s", "non-negative"),
+    (("comm", "beta_s_per_byte"), _DELETE, "comm.beta_s_per_byte", "missing"),
+    (("dense", "alpha_s"), "fast", "dense.alpha_s", "must be a number"),
+    (("dense", "beta_s_per_byte"), float("inf"), "dense.beta_s_per_byte", "finite"),
+    (("topk", "backend"), _DELETE, "topk.backend", "missing"),
+    (("topk", "c2"), -1.0, "topk.c2", "non-negative"),
+    (("topk", "c0"), True, "topk.c0", "must be a number"),
+    (("topk_all", "torch", "c1"), -3.0, "topk_all.torch.c1", "non-negative"),
+    (("topk_all", "torch"), 5, "topk_all.torch", "must be an object"),
+    (("settings", "topk_density"), 2.0, "settings.topk_density", r"\(0, 1\]"),
+])
+def test_bad_fields_are_named(tmp_path, keys, value, field, message):
+    path = _write(tmp_path, _mutate(keys, value))
+    with pytest.raises(ProfileError, match=message) as info:
+        load_profile(path)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{path}: {field}: ")
+    assert isinstance(info.value, ValueError)
+
+
+def test_mismatches_empty_when_matching():
+    profile = profile_from_dict(VALID)
+    assert profile_mismatches(profile, 2, "gloo", "cpu") == []
+    assert profile_mismatches(profile, 2, "GLOO", "cpu") == []
+
+
+def test_mismatches_name_every_difference():
+    profile = profile_from_dict(VALID)
+    problems = profile_mismatches(profile, 4, "nccl", "cuda")
+    assert len(problems) == 3
+    assert "world_size=2" in problems[0] and "world_size=4" in problems[0]
+    assert "'gloo'" in problems[1] and "'nccl'" in problems[1]
+    assert "'cpu'" in problems[2] and "'cuda'" in problems[2]
+    assert profile_mismatches(profile, 8, "gloo", "cpu") == [problems[0].replace("=4", "=8")]
+
+
+@pytest.mark.parametrize("device_type, backend, topk_backend", [
+    ("cpu", "gloo", "sampled"),
+    ("cuda", "nccl", "cupy"),
+])
+def test_default_profiles(device_type, backend, topk_backend):
+    profile = default_profile(device_type)
+    assert profile.backend == backend and profile.device_type == device_type
+    assert profile.topk_backend == topk_backend
+    assert profile.path is None and profile.world_size == 2
+    assert profile_mismatches(profile, 2, backend, device_type) == []
+    for cost in (profile.comm, profile.dense):
+        assert cost.alpha_s > 0 and cost.beta_s_per_byte > 0
+    assert profile.topk.c0 > 0
+    # usable by the planner as is
+    Instance(layers=(Unit(1000, 1e-4),), world_size=2, density=0.01, forward_s=0.0,
+             comm=profile.comm, topk=profile.topk, dense=profile.dense)
+
+
+def test_default_cpu_profile_models_one_gigabit_ethernet():
+    profile = default_profile("cpu", world_size=2)
+    # 8 MB contributed by each of 2 ranks: one ring step at ~117 MB/s plus start-up
+    assert profile.comm.time(8e6) == pytest.approx(0.3e-3 + 8e6 / 117e6)
+    # all-reduce of 8 MB over 2 ranks moves 2 * (1/2) of the tensor per rank
+    assert profile.dense.time(8e6) == pytest.approx(0.6e-3 + 8e6 / 117e6)
+
+
+def test_default_profile_scales_with_world_size():
+    two, eight = default_profile("cpu", world_size=2), default_profile("cpu", world_size=8)
+    assert eight.world_size == 8
+    assert eight.comm.alpha_s == pytest.approx(7 * two.comm.alpha_s)
+    assert eight.comm.beta_s_per_byte == pytest.approx(7 * two.comm.beta_s_per_byte)
+    # ring all-reduce volume per rank saturates at 2x the tensor
+    assert eight.dense.beta_s_per_byte == pytest.approx(2 * 7 / 8 / 117e6)
+    assert default_profile("cpu", world_size=1).comm.alpha_s == 0.0
+
+
+@pytest.mark.parametrize("args, problem", [
+    (("tpu",), "device_type"),
+    (("cpu", 0), "world_size"),
+    (("cpu", True), "world_size"),
+])
+def test_default_profile_rejects_bad_arguments(args, problem):
+    with pytest.raises(ValueError, match=problem):
+        default_profile(*args)
