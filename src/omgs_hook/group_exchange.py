@@ -63,6 +63,10 @@ class StepExchange:
         self.layout = []  # per bucket: tuple of parameter keys, in bucket order
         self.arrived = {}  # key -> (bucket index, flat gradient view)
         self.sent = set()  # keys already assigned to an issued group
+        # Parameters without a .grad at hook time were unused by this rank's forward
+        # (find_unused_parameters). If no rank used them, DDP discards whatever the hook
+        # writes for them, so their residual must neither be sent nor reset: it is parked.
+        self.parked = set()
         self.records = []
         self.nonfinite = False
         self.error = None
@@ -85,8 +89,10 @@ class StepExchange:
         index = len(self.layout)
         grads = bucket.gradients()
         self.layout.append(tuple(keys))
-        for key, grad in zip(keys, grads):
+        for key, grad, param in zip(keys, grads, bucket.parameters()):
             self.arrived[key] = (index, grad.view(-1))
+            if param.grad is None:
+                self.parked.add(key)
         future = torch.futures.Future()
         with self._lock:
             self._futures.append(future)
@@ -104,7 +110,7 @@ class StepExchange:
         """Assemble the group ``keys`` (all arrived) and issue its collective."""
         keys = tuple(keys)
         self.sent.update(keys)
-        residuals = [self.memory.get(key) for key in keys]
+        residuals = [None if key in self.parked else self.memory.get(key) for key in keys]
         numel = sum(self.arrived[key][1].numel() for key in keys)
         if dense and all(r is None for r in residuals) and self.whole_bucket(keys) is not None:
             self._send_dense_inplace(keys, numel)
@@ -218,7 +224,7 @@ class StepExchange:
             summed.mul_(scale)
             self._write_back(keys, summed)
         for key in keys:
-            if self.memory.get(key) is not None:
+            if key not in self.parked and self.memory.get(key) is not None:
                 self.memory.stage(key, None)  # the residual went out with the dense sum
 
     def _finish_sparse(self, keys, acc, gathered, k, numel, record):
@@ -236,7 +242,8 @@ class StepExchange:
         offset = 0
         for key in keys:
             n = self.arrived[key][1].numel()
-            self.memory.stage(key, acc[offset:offset + n])
+            if key not in self.parked:
+                self.memory.stage(key, acc[offset:offset + n])
             offset += n
 
     def _group_done(self, keys):

@@ -186,6 +186,7 @@ class OMGSState:
 
             self._fitter = OnlineLinearFitter()
         self._comm_override = None
+        self._coarse_warned = False
         self._loaded_world_size = None
         self._last = None
         self._totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "elements": 0,
@@ -394,6 +395,7 @@ class OMGSState:
             comm = LinearCost(alpha_s=max(0.0, mean[-3]), beta_s_per_byte=max(0.0, mean[-2]))
         self._comm_override = comm if comm is not self.profile.comm else None
         numels = [sum(math.prod(self._shapes[k]) for k in bucket) for bucket in layout]
+        self._warn_if_coarse(layout, numels)
         instance = Instance(
             layers=tuple(Unit(numel=n, backward_s=b) for n, b in zip(numels, mean[: len(layout)])),
             world_size=self.world_size,
@@ -415,6 +417,23 @@ class OMGSState:
         self._last_instance = instance
         self._totals["replans"] += 1
         logger.debug("omgs_hook: step %d new plan %s", self.step, plan.unit_groups())
+
+    def _warn_if_coarse(self, layout, numels):
+        """Warn (once) when DDP's buckets leave the planner little to choose from."""
+        if self._coarse_warned or self.strategy == "single":
+            return
+        largest = max(range(len(layout)), key=lambda i: numels[i])
+        share = numels[largest] / max(1, sum(numels))
+        if share > 0.5 and len(layout[largest]) >= 4:
+            self._coarse_warned = True
+            warnings.warn(
+                f"omgs_hook: DDP bucket {largest} holds {share:.0%} of the gradient "
+                f"({len(layout[largest])} parameters in {len(layout)} buckets); the planner can "
+                "only merge whole buckets. Construct DDP with a smaller bucket_cap_mb (e.g. 1, "
+                "or 0 for one parameter per bucket) to let it plan.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ----------------------------------------------------------------- step results
     def _on_step_finished(self, exchange):

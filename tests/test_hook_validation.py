@@ -1,0 +1,138 @@
+"""Bad options and bad set-ups fail with a clear error before any training step."""
+
+import gc
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import omgs_hook
+from omgs_hook import OMGSState
+from omgs_hook.profile_file import ProfileError
+from ddp_harness import run_ranks
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"density": 0.0}, "density"),
+        ({"density": 1.5}, "density"),
+        ({"density": float("nan")}, "density"),
+        ({"density": "0.1"}, "density"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"replan_every": 0}, "replan_every"),
+        ({"replan_every": 2.5}, "replan_every"),
+        ({"log_every": -3}, "log_every"),
+        ({"topk_backend": "heap"}, "topk_backend"),
+        ({"strategy": "fastest"}, "strategy"),
+        ({"strategy": "threshold:abc"}, "strategy"),
+        ({"nonfinite": "ignore"}, "nonfinite"),
+        ({"on_world_size_change": "rescale"}, "on_world_size_change"),
+    ],
+)
+def test_bad_options_name_the_problem(options, message):
+    with pytest.raises(ValueError, match=message):
+        OMGSState(**options)
+
+
+def test_profile_problems_are_reported_at_construction(tmp_path):
+    with pytest.raises(ProfileError, match="missing.json"):
+        OMGSState(profile=str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError, match="JSON"):
+        OMGSState(profile=str(bad))
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"schema_version": 999}))
+    with pytest.raises(ProfileError, match="schema_version"):
+        OMGSState(profile=str(wrong))
+    with pytest.raises(TypeError, match="profile"):
+        OMGSState(profile=3.5)
+
+
+def test_non_floating_parameter_is_rejected():
+    module = nn.Linear(2, 2)
+    module.register_parameter("counter", nn.Parameter(torch.zeros(3, dtype=torch.int64),
+                                                      requires_grad=False))
+    OMGSState(module=module)  # frozen integer parameters are fine
+    module2 = nn.Linear(2, 2).to(torch.complex64)
+    with pytest.raises(TypeError, match="weight"):
+        OMGSState(module=module2)
+
+
+def test_register_rejects_a_plain_module():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        omgs_hook.register(nn.Linear(2, 2))
+
+
+def test_hook_function_carries_register():
+    from omgs_hook import omgs_hook as hook_fn
+
+    assert hook_fn.register is omgs_hook.register
+
+
+def register_twice_worker(rank, world_size):
+    ddp = DDP(nn.Linear(4, 4))
+    omgs_hook.register(ddp)
+    messages = []
+    try:
+        omgs_hook.register(ddp)
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    ddp2 = DDP(nn.Linear(4, 4))
+    ddp2.register_comm_hook(None, lambda state, bucket: None)
+    try:
+        omgs_hook.register(ddp2)
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    del ddp, ddp2
+    gc.collect()
+    return messages
+
+
+@pytest.mark.timeout(60)
+def test_register_twice_is_an_error():
+    (messages,) = run_ranks("test_hook_validation", "register_twice_worker", world_size=1)
+    assert len(messages) == 2
+    assert "already has the OMGS hook" in messages[0]
+    assert "refused" in messages[1]
+
+
+def world_size_policy_worker(rank, world_size):
+    saved = {
+        "format_version": 1, "step": 10, "world_size": 4, "rank": 0, "density": 0.01,
+        "strategy": "optimal", "residuals": {"weight": torch.ones(4, 4)}, "plan": None,
+        "measurements": {}, "totals": {},
+    }
+    model = nn.Linear(4, 4)
+    outcomes = []
+    state = OMGSState(module=model)
+    try:
+        state.load_state_dict(saved)
+        outcomes.append("loaded")
+    except ValueError as exc:
+        outcomes.append(str(exc))
+    state = OMGSState(module=model, on_world_size_change="reset")
+    state.load_state_dict(saved)
+    outcomes.append(len(state.memory))
+    same_world = dict(saved, world_size=1, residuals={"weight": torch.ones(2, 2)})
+    try:
+        OMGSState(module=model).load_state_dict(same_world)
+    except ValueError as exc:
+        outcomes.append(str(exc))
+    return outcomes
+
+
+@pytest.mark.timeout(60)
+def test_world_size_change_policy_and_shape_checks():
+    (outcomes,) = run_ranks("test_hook_validation", "world_size_policy_worker", world_size=1)
+    assert "world_size=4" in outcomes[0] and "on_world_size_change" in outcomes[0]
+    assert outcomes[1] == 0  # explicitly reset: no residual applied to the wrong split
+    assert "'weight'" in outcomes[2] and "shape" in outcomes[2]
+
+
+def test_state_dict_format_is_checked():
+    with pytest.raises(ValueError, match="format_version"):
+        OMGSState().load_state_dict({"residuals": {}})
