@@ -65,6 +65,13 @@ def gather(obj, world_size):
 def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
                             accumulate=False, frozen=False, dtype=torch.float32,
                             skip_b_on_odd_steps=False):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("omgs_hook").addHandler(handler)
+    logging.getLogger("omgs_hook").setLevel(logging.INFO)
     torch.manual_seed(0)
     model = Net(frozen).to(dtype)
     reference_model = Net(frozen).to(dtype)
@@ -144,6 +151,7 @@ def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
     del ddp, state
     gc.collect()
     return {"worst": worst, "per_step": per_step, "replans": stats["total"]["replans"],
+            "comm_model": stats["comm_model"], "stats": stats, "log": records,
             "bytes": stats["total"]["bytes_sent"], "dense_bytes": stats["total"]["dense_bytes"]}
 
 
@@ -270,12 +278,13 @@ def dead_rank_worker(rank, world_size, mode):
 
 # ----------------------------------------------------------------------------- tests
 REFERENCE_CASES = {
-    "single-group": ({"strategy": "single", "warmup_steps": 1}, {}),
+    "single-group": ({"strategy": "single", "warmup_steps": 1, "log_every": 3}, {}),
     "layerwise-bucket-view": ({"strategy": "layerwise", "warmup_steps": 0},
                               {"gradient_as_bucket_view": True}),
     "threshold-static-graph": ({"strategy": "threshold:2500", "warmup_steps": 0},
                                {"static_graph": True}),
-    "optimal-replanning": ({"strategy": "optimal", "warmup_steps": 2, "replan_every": 2}, {}),
+    "optimal-replanning": ({"strategy": "optimal", "warmup_steps": 2, "replan_every": 2,
+                            "refit_online": True}, {}),
 }
 
 
@@ -294,8 +303,18 @@ def test_gradients_match_reference_and_conserve(case):
     # across the rebuild.
     assert steps[0]["buckets"] == 1 and steps[-1]["buckets"] == 6, steps
     assert results[0]["bytes"] < results[0]["dense_bytes"]
+    stats = results[0]["stats"]
+    assert stats["last"]["groups"] == steps[-1]["groups"]
+    assert stats["total"]["compression"] > 1 and stats["total"]["steps"] == 7
+    assert stats["measured_iteration_s"] > 0 and stats["predicted_iteration_s"] > 0
+    assert len(stats["backward_s_per_unit"]) == steps[-1]["buckets"]
     if case == "single-group":
         assert all(s["groups"] == 1 for s in steps[1:]), steps
+        numel = 16 * 32 + 32 + 32 * 32 + 32 + 32 * 8 + 8
+        k = -(-numel * DENSITY // 1)
+        assert stats["last"]["selected"] == k and stats["last"]["bytes_sent"] == 4 * (2 * k + 1)
+        assert [line.split()[1] for line in results[0]["log"]] == ["step", "step"]
+        assert "step 3 " in results[0]["log"][0] and "step 6 " in results[0]["log"][1]
         assert any(s["multi_bucket_group"] for s in steps), steps
     if case == "layerwise-bucket-view":
         assert steps[-1]["groups"] == 6
@@ -303,6 +322,9 @@ def test_gradients_match_reference_and_conserve(case):
         assert any(s["multi_bucket_group"] for s in steps[3:]), steps
     if case == "optimal-replanning":
         assert results[0]["replans"] >= 2
+        # every rank plans with the same (rank-averaged) collective cost
+        assert results[0]["comm_model"] == results[1]["comm_model"]
+        assert results[0]["stats"]["plan"] == results[1]["stats"]["plan"]
 
 
 @pytest.mark.timeout(180)

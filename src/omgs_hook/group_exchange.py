@@ -201,7 +201,8 @@ class StepExchange:
         with self._lock:
             start = issue_wall if self._last_comm_done is None else max(issue_wall, self._last_comm_done)
             self._last_comm_done = now
-        self.on_comm_sample(nbytes, now - start)
+        if now > start:  # a clock that did not advance gives no information
+            self.on_comm_sample(nbytes, now - start)
 
     # -- completion (collective callback threads) -----------------------------------
     def _write_back(self, keys, result):

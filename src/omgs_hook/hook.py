@@ -504,7 +504,16 @@ class OMGSState:
             "measured_iteration_s": self.meter.last_iteration_s,
             "predicted_iteration_s": self.plan.predicted_iteration_s if self.plan else None,
             "residual_norm": self.memory.total_norm(),
+            "comm_model": self._comm_model_report(),
         }
+
+    def _comm_model_report(self):
+        if self.profile is None:
+            return None
+        comm = self._comm_override or self.profile.comm
+        return {"alpha_s": comm.alpha_s, "beta_s_per_byte": comm.beta_s_per_byte,
+                "refit_online": self._comm_override is not None,
+                "profile": self.profile.path or self.profile.source}
 
     def summary_line(self):
         s = self.stats()
@@ -538,6 +547,7 @@ class OMGSState:
             "residuals": self.memory.state_dict(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "measurements": self.meter.state_dict(),
+            "refit": self._fitter.state_dict() if self._fitter is not None else None,
             "totals": dict(self._totals),
         }
 
@@ -577,6 +587,8 @@ class OMGSState:
             self.plan = None  # planned for another world size
         self.step = int(sd.get("step", 0))
         self.meter.load_state_dict(sd.get("measurements") or {})
+        if self._fitter is not None and sd.get("refit"):
+            self._fitter.load_state_dict(sd["refit"])
         for k, v in (sd.get("totals") or {}).items():
             if k in self._totals:
                 self._totals[k] = int(v)
