@@ -8,7 +8,8 @@ error-feedback residual norm stays bounded (it must not grow step after step).
 
 Each rank samples its RSS and the residual L2 norm every ``--sample-every`` steps; rank 0
 writes a JSON report and prints a summary. Exit status 1 when a check fails:
-* memory: RSS growth from the end of the first 10% of steps to the end > --max-growth-mb;
+* memory: RSS growth from the end of the first quarter of steps to the end > --max-growth-mb
+  (the first quarter lets the allocator and the plan settle);
 * residual: the maximum norm in the last quarter > --max-norm-ratio x the maximum in the
   second quarter (a growing residual means gradient is being lost or never sent).
 """
@@ -88,7 +89,7 @@ def evaluate(report, args):
     lines = []
     for rank, samples in enumerate(report["per_rank"]):
         n = len(samples)
-        base = samples[max(0, n // 10 - 1)]
+        base = samples[max(0, n // 4 - 1)]
         growth = samples[-1]["rss_mb"] - base["rss_mb"]
         q2 = [s["residual_norm"] for s in samples[n // 4: n // 2]] or [samples[0]["residual_norm"]]
         q4 = [s["residual_norm"] for s in samples[3 * n // 4:]]
