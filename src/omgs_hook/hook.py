@@ -336,6 +336,9 @@ class OMGSState:
             on_comm_sample=self._fitter.add if self._fitter is not None else None,
             raise_on_nonfinite=self.nonfinite == "raise",
         )
+        # the step this backward completes (counted from 1); the counter itself only
+        # advances at the last bucket, possibly after the collectives finished
+        self._exchange.step_number = self.step + 1
         self._pending_groups = list(range(len(self.plan.groups))) if self.plan is not None else []
 
     def _send_ready_groups(self, exchange):
@@ -447,8 +450,9 @@ class OMGSState:
         nbytes = sum(r.bytes for r in records)
         dense_bytes = sum(r.numel * 4 for r in records)
         start = self.meter.wall_step_start
+        step_number = exchange.step_number
         self._last = {
-            "step": self.step,
+            "step": step_number,
             "bytes_sent": nbytes,
             "dense_bytes": dense_bytes,
             "elements": numel,
@@ -467,8 +471,8 @@ class OMGSState:
         t["dense_bytes"] += dense_bytes
         t["elements"] += numel
         t["selected"] += selected
-        if self.log_every and self.step % self.log_every == 0:
-            logger.info("omgs_hook: %s", self.summary_line())
+        if self.log_every and step_number % self.log_every == 0:
+            logger.info("omgs_hook: %s", self.summary_line(step_number))
 
     def stats(self):
         """Metrics of the last completed step and cumulative totals.
@@ -515,8 +519,10 @@ class OMGSState:
                 "refit_online": self._comm_override is not None,
                 "profile": self.profile.path or self.profile.source}
 
-    def summary_line(self):
+    def summary_line(self, step_number=None):
         s = self.stats()
+        if step_number is not None:
+            s["step"] = step_number
         last = s["last"] or {}
         plan = s["plan"]
         measured = s["measured_iteration_s"]
