@@ -1,0 +1,641 @@
+#!/usr/bin/env python
+"""Data-parallel training with a choice of gradient-communication hooks.
+
+Launch with torchrun (one process per rank)::
+
+    torchrun --nproc_per_node=2 scripts/train.py --model resnet20 --hook omgs --steps 150
+
+or without torchrun for a single-process run (world size 1, handy for debugging).
+
+Hooks (``--hook``):
+
+``allreduce``  DDP's default dense all-reduce (no hook registered).
+``powersgd``   PyTorch's built-in ``powerSGD_hook`` (rank ``--powersgd-rank``, error feedback,
+               ``--warmup-steps`` dense steps first). On gloo all gradients are put into ONE
+               DDP bucket: the stock hook issues a collective inside a future callback, which
+               deadlocks gloo as soon as a second bucket is in flight (docs/training.md).
+``topk``       TopK-SGD: one group of all gradients, top-k at ``--density`` with error
+               feedback (``omgs_hook.register(ddp, strategy="single")``).
+``lags``       LAGS-SGD: one group per DDP bucket/layer (``strategy="layerwise"``).
+``omgs``       OMGS-SGD: groups chosen by the planner (``strategy="optimal"``, or
+               ``--strategy``).
+
+Data: scikit-learn's bundled digits for the CNNs, Python's own standard-library source
+text for the LSTM, or ``--synthetic`` random tensors; nothing is downloaded
+(``omgs_hook.examples.data``). Optimiser: momentum SGD with a linear learning-rate
+warm-up over ``--lr-warmup-steps`` and then a cosine decay to zero at the end of
+``--epochs``; ``--steps N`` stops early after N steps without changing that schedule,
+so an interrupted and a resumed run follow the same learning rates.
+
+Outputs: a tqdm progress bar on rank 0, ``--log FILE`` JSON lines (one per step with
+``step``, ``epoch``, ``loss``, ``iter_s``, ``lr``; one per evaluation with ``epoch``,
+``step``, ``test_accuracy``, ``test_loss``; a final ``summary`` line; spelled
+``--log-file`` under torchrun, whose parser rejects ``--log``), and a final
+``summary:`` line on stdout. ``--checkpoint PATH`` writes the model, optimiser and step
+to PATH (rank 0) and every rank's hook state and RNG state to ``PATH.rank{r}``;
+``--resume`` continues from them.
+"""
+
+import argparse
+import gc
+import inspect
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+
+# Python puts this script's directory first on sys.path, and scripts/ holds other tools
+# whose names can shadow standard-library modules (scripts/profile.py hides `profile`,
+# which torch imports via cProfile). train.py imports nothing from scripts/.
+_SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != _SCRIPT_DIR]
+
+import torch  # noqa: E402  (after the sys.path fix above)
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from omgs_hook.examples import data as example_data  # noqa: E402
+from omgs_hook.examples.models import MODEL_NAMES, build_model, count_parameters  # noqa: E402
+
+HOOKS = ("allreduce", "powersgd", "topk", "lags", "omgs")
+# planner strategy behind each omgs_hook-based --hook choice
+HOOK_STRATEGIES = {"topk": "single", "lags": "layerwise", "omgs": "optimal"}
+CHECKPOINT_FORMAT = "omgs-hook-train-checkpoint"
+CHECKPOINT_VERSION = 1
+# Image size per CNN when training on digits: ResNet-20 learns the 8x8 originals fine
+# upsampled to 16x16 at a quarter of the 32x32 cost; VGG-16's five pools need 32x32.
+DEFAULT_IMAGE_SIZE = {"resnet20": 16, "vgg16": 32}
+# Per-model defaults of options left unset: plain SGD needs a much larger step size for
+# the LSTM, which also needs gradient clipping and no weight decay on its embeddings.
+MODEL_DEFAULTS = {
+    "resnet20": {"lr": 0.1, "weight_decay": 5e-4, "clip_grad_norm": None},
+    "vgg16": {"lr": 0.05, "weight_decay": 5e-4, "clip_grad_norm": None},
+    "lstm": {"lr": 1.0, "weight_decay": 0.0, "clip_grad_norm": 1.0},
+}
+# Steps whose time the summary leaves out besides the hook's dense warm-up: DDP's
+# first iteration (one bucket) and the bucket rebuild in the second.
+DDP_SETUP_STEPS = 2
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    add("--model", choices=MODEL_NAMES, default="resnet20")
+    add("--hook", choices=HOOKS, default="omgs", help="gradient communication (see above)")
+    add("--synthetic", action="store_true",
+        help="random CIFAR-shaped images / random tokens instead of the real data")
+    add("--image-size", type=int, default=None,
+        help="image side length: digits are upsampled to it, synthetic images drawn at it "
+             "(default: 16 for resnet20 on digits, 32 for vgg16 and synthetic images)")
+    add("--seq-len", type=int, default=64, help="characters per LSTM training sequence")
+    # optimisation
+    add("--epochs", type=int, default=6, help="length of the learning-rate schedule")
+    add("--steps", type=int, default=None, help="stop after this many steps in total")
+    add("--batch-size", type=int, default=32, help="samples per rank and step")
+    add("--lr", type=float, default=None,
+        help="peak learning rate (default: 0.1 for the CNNs, 1.0 for lstm)")
+    add("--lr-warmup-steps", type=int, default=20,
+        help="learning rate rises linearly from lr/steps to lr over these steps")
+    add("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+        help="after the warm-up: cosine decay to 0 at the end of --epochs, or constant")
+    add("--momentum", type=float, default=0.9)
+    add("--weight-decay", type=float, default=None,
+        help="L2 penalty (default: 5e-4 for the CNNs, 0 for lstm)")
+    add("--clip-grad-norm", type=float, default=None,
+        help="clip the averaged gradient to this norm; 0 = off (default: 1.0 for lstm, "
+             "off for the CNNs)")
+    # communication
+    add("--density", type=float, default=0.01,
+        help="fraction of gradient entries sent by topk/lags/omgs (1.0 = dense all-reduce)")
+    add("--strategy", default=None,
+        help="planner strategy for --hook omgs: optimal (default), greedy, layerwise, "
+             "single or threshold:BYTES")
+    add("--warmup-steps", type=int, default=5,
+        help="dense all-reduce steps before compressing (omgs hooks: while profiling; "
+             "powersgd: start_powerSGD_iter, at least 2)")
+    add("--replan-every", type=int, default=100, help="omgs hooks: steps between re-plans")
+    add("--profile", default=None, help="omgs hooks: cost-model profile JSON (omgs-profile)")
+    add("--topk-backend", default="auto", help="omgs hooks: top-k backend (torch, sampled, cupy)")
+    add("--no-dense-groups", action="store_true",
+        help="omgs hooks: sparsify every group, even where the cost model finds a dense "
+             "all-reduce cheaper (as in the paper, which has no dense fallback)")
+    add("--refit-online", action="store_true",
+        help="omgs hooks: refit the communication model from measured collectives")
+    add("--hook-log-every", type=int, default=100, help="omgs hooks: steps between log lines")
+    add("--powersgd-rank", type=int, default=2, help="powersgd: matrix approximation rank")
+    add("--bucket-cap-mb", type=float, default=0.1,
+        help="DDP bucket size in MiB; small buckets give the planner units to merge "
+             "(0.1: 9 buckets for resnet20, 16 for vgg16, 5 for lstm)")
+    add("--no-broadcast-buffers", action="store_true",
+        help="do not broadcast BatchNorm buffers from rank 0 at every forward")
+    # runtime
+    add("--device", choices=("cpu", "cuda"), default="cpu")
+    add("--backend", default=None, help="process-group backend (default: gloo on cpu, nccl on cuda)")
+    add("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    add("--seed", type=int, default=0)
+    # "--log" alone works only without torchrun: torchrun's own argument parser rejects it
+    # as an ambiguous abbreviation of its --log-dir/--logs-specs (Python 3.11 argparse).
+    add("--log-file", "--log", dest="log", default=None,
+        help="write JSON lines (steps, evaluations, summary) here; use --log-file under "
+             "torchrun")
+    add("--checkpoint", default=None,
+        help="checkpoint path (rank files: PATH.rank{r}); written at every epoch end, every "
+             "--checkpoint-every steps and at the end")
+    add("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps")
+    add("--resume", action="store_true", help="continue from --checkpoint")
+    add("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    _validate(parser, args)
+    return args
+
+
+def _validate(parser, args):
+    """Reject inconsistent options before any process group is created."""
+    def positive(name):
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and value <= 0:
+            parser.error(f"--{name}: must be positive, got {value}")
+
+    for key, value in MODEL_DEFAULTS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for name in ("epochs", "steps", "batch-size", "lr", "threads", "seq-len", "replan-every",
+                 "checkpoint-every", "powersgd-rank", "bucket-cap-mb", "hook-log-every"):
+        positive(name)
+    if args.image_size is not None and args.image_size < 4:
+        parser.error(f"--image-size: must be at least 4, got {args.image_size}")
+    if args.model == "vgg16" and args.image_size is not None and args.image_size % 32:
+        parser.error(f"--image-size: vgg16 needs a multiple of 32, got {args.image_size}")
+    if not 0.0 < args.density <= 1.0:
+        parser.error(f"--density: must be in (0, 1], got {args.density}")
+    if args.lr_warmup_steps < 0 or args.warmup_steps < 0:
+        parser.error("--lr-warmup-steps and --warmup-steps must be >= 0")
+    if not 0.0 <= args.momentum < 1.0:
+        parser.error(f"--momentum: must be in [0, 1), got {args.momentum}")
+    if args.weight_decay < 0:
+        parser.error(f"--weight-decay: must be >= 0, got {args.weight_decay}")
+    if args.clip_grad_norm is not None and args.clip_grad_norm < 0:
+        parser.error(f"--clip-grad-norm: must be >= 0, got {args.clip_grad_norm}")
+    if args.clip_grad_norm == 0:
+        args.clip_grad_norm = None
+    if args.hook == "powersgd" and args.warmup_steps < 2:
+        parser.error("--warmup-steps: powersgd needs at least 2 dense steps (DDP rebuilds "
+                     "its buckets after the first iteration)")
+    if args.strategy is not None and args.hook != "omgs":
+        parser.error(f"--strategy only applies to --hook omgs (--hook {args.hook} fixes it)")
+    if args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint PATH")
+    if args.checkpoint_every is not None and not args.checkpoint:
+        parser.error("--checkpoint-every needs --checkpoint PATH")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+
+
+# ---------------------------------------------------------------------------------
+# process group
+# ---------------------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(args):
+    """Join the process group torchrun describes, or make a one-rank group without it."""
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if "RANK" in os.environ:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if args.device == "cuda":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend)
+    else:
+        local_rank = 0
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1)
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+# ---------------------------------------------------------------------------------
+# data, model, hook
+# ---------------------------------------------------------------------------------
+
+
+def load_data(args):
+    if args.model == "lstm":
+        if args.synthetic:
+            return example_data.synthetic_tokens(seq_len=args.seq_len, seed=args.seed)
+        return example_data.text_corpus(seq_len=args.seq_len)
+    if args.synthetic:
+        return example_data.synthetic_images(image_size=args.image_size or 32, seed=args.seed)
+    image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.model]
+    return example_data.digits(image_size=image_size)
+
+
+def make_model(args, dataset):
+    if dataset.kind == "text":
+        return build_model(args.model, vocab_size=dataset.num_classes)
+    return build_model(args.model, in_channels=dataset.in_channels,
+                       num_classes=dataset.num_classes)
+
+
+def loss_and_correct(logits, targets, reduction="mean"):
+    """Cross-entropy and number of correct predictions (per token for the LSTM)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    loss = F.cross_entropy(logits, targets, reduction=reduction)
+    correct = (logits.argmax(dim=1) == targets).sum()
+    return loss, correct
+
+
+class PowerSGDHook:
+    """PyTorch's powerSGD_hook plus a checkpointable view of its state.
+
+    ``PowerSGDState`` pickles a numpy RandomState, which ``torch.load(weights_only=True)``
+    refuses; :meth:`state_dict` converts everything to tensors and plain values.
+    """
+
+    def __init__(self, ddp_model, args, device):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        self.device = device  # checkpoints are loaded to the CPU; the hook needs them here
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=args.warmup_steps, use_error_feedback=True, warm_start=True,
+            random_seed=args.seed)
+        ddp_model.register_comm_hook(self.state, powerSGD_hook.powerSGD_hook)
+
+    def state_dict(self):
+        name, keys, position, has_gauss, cached_gaussian = self.state.rng.get_state()
+        return {
+            "iter": self.state.iter,
+            "error_dict": dict(self.state.error_dict),
+            "p_memory_dict": dict(self.state.p_memory_dict),
+            "q_memory_dict": dict(self.state.q_memory_dict),
+            "rng": {"name": name, "keys": torch.from_numpy(keys.astype("int64")),
+                    "position": int(position), "has_gauss": int(has_gauss),
+                    "cached_gaussian": float(cached_gaussian)},
+            "total_numel_before_compression": self.state.total_numel_before_compression,
+            "total_numel_after_compression": self.state.total_numel_after_compression,
+        }
+
+    def load_state_dict(self, state_dict):
+        import numpy as np
+
+        rng = state_dict["rng"]
+        self.state.rng.set_state((rng["name"], rng["keys"].numpy().astype(np.uint32),
+                                  rng["position"], rng["has_gauss"], rng["cached_gaussian"]))
+        for key in ("iter", "total_numel_before_compression", "total_numel_after_compression"):
+            setattr(self.state, key, state_dict[key])
+        for key in ("error_dict", "p_memory_dict", "q_memory_dict"):
+            getattr(self.state, key).clear()
+            getattr(self.state, key).update(
+                {index: tensor.to(self.device) for index, tensor in state_dict[key].items()})
+
+    def stats(self):
+        rate, before, after = self.state.compression_stats()
+        return {"total": {"compression_rate": rate, "numel_before_compression": before,
+                          "numel_after_compression": after}}
+
+
+def bucket_cap_for(args, model):
+    """DDP bucket size in MiB for this hook (see the module docstring for powersgd)."""
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if args.hook == "powersgd" and backend == "gloo":
+        model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        return max(args.bucket_cap_mb, math.ceil(model_mib) + 1.0)
+    return args.bucket_cap_mb
+
+
+def attach_hook(ddp_model, args, device):
+    """Register the chosen hook; return an object with state_dict/load_state_dict/stats."""
+    if args.hook == "allreduce":
+        return None
+    if args.hook == "powersgd":
+        return PowerSGDHook(ddp_model, args, device)
+    import omgs_hook
+
+    strategy = args.strategy if args.hook == "omgs" and args.strategy else HOOK_STRATEGIES[args.hook]
+    return omgs_hook.register(
+        ddp_model, density=args.density, strategy=strategy, warmup_steps=args.warmup_steps,
+        replan_every=args.replan_every, profile=args.profile, topk_backend=args.topk_backend,
+        allow_dense=not args.no_dense_groups, refit_online=args.refit_online,
+        log_every=args.hook_log_every)
+
+
+# ---------------------------------------------------------------------------------
+# schedule, evaluation, checkpoints
+# ---------------------------------------------------------------------------------
+
+
+def learning_rate(step, args, total_steps):
+    """Learning rate for (0-based) ``step``: linear warm-up, then cosine or constant."""
+    if step < args.lr_warmup_steps:
+        return args.lr * (step + 1) / args.lr_warmup_steps
+    if args.lr_schedule == "constant":
+        return args.lr
+    decay_steps = max(1, total_steps - args.lr_warmup_steps)
+    progress = min(1.0, (step - args.lr_warmup_steps) / decay_steps)
+    return 0.5 * args.lr * (1.0 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def evaluate(model, dataset, rank, world_size, device, batch_size=256):
+    """Exact test loss and accuracy: each rank scores its shard, sums are all-reduced."""
+    was_training = model.training
+    model.eval()
+    inputs, targets = example_data.test_shard(dataset, world_size, rank)
+    # [summed loss, correct predictions, scored predictions]
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for start in range(0, inputs.shape[0], batch_size):
+        batch_x = inputs[start:start + batch_size].to(device)
+        batch_y = targets[start:start + batch_size].to(device)
+        loss, correct = loss_and_correct(model(batch_x), batch_y, reduction="sum")
+        totals += torch.stack([loss.double(), correct.double(),
+                               torch.tensor(float(batch_y.numel()), dtype=torch.float64,
+                                            device=device)])
+    dist.all_reduce(totals)
+    model.train(was_training)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count
+
+
+def rank_file(path, rank):
+    return f"{path}.rank{rank}"
+
+
+def _atomic_save(obj, path):
+    # a crash while writing must not destroy the previous, complete checkpoint
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(args, rank, world_size, step, model, optimizer, hook):
+    if rank == 0:
+        _atomic_save({
+            "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step,
+            "world_size": world_size, "model_name": args.model, "hook": args.hook,
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        }, args.checkpoint)
+    per_rank = {"step": step, "rank": rank, "world_size": world_size, "hook": args.hook,
+                "hook_state": hook.state_dict() if hook is not None else None,
+                "rng_state": torch.get_rng_state()}
+    if torch.cuda.is_available() and args.device == "cuda":
+        per_rank["cuda_rng_state"] = torch.cuda.get_rng_state()
+    _atomic_save(per_rank, rank_file(args.checkpoint, rank))
+    # nobody continues (or exits) until every rank's file of this step is complete
+    dist.barrier()
+
+
+def load_checkpoint(args, rank, world_size):
+    """Read and check the shared and this rank's checkpoint file; clear errors if unusable."""
+    shared_path, own_path = args.checkpoint, rank_file(args.checkpoint, rank)
+    for path in (shared_path, own_path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--resume: checkpoint file {path} does not exist")
+    shared = torch.load(shared_path, map_location="cpu", weights_only=True)
+    own = torch.load(own_path, map_location="cpu", weights_only=True)
+    if shared.get("format") != CHECKPOINT_FORMAT or shared.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"--resume: {shared_path} is not a version-{CHECKPOINT_VERSION} "
+                         f"train.py checkpoint")
+    problems = []
+    if shared["model_name"] != args.model:
+        problems.append(f"model {shared['model_name']!r} (now {args.model!r})")
+    if shared["hook"] != args.hook:
+        problems.append(f"hook {shared['hook']!r} (now {args.hook!r})")
+    if shared["world_size"] != world_size:
+        problems.append(f"world size {shared['world_size']} (now {world_size}); the hook "
+                        f"state is per rank")
+    if own["step"] != shared["step"]:
+        problems.append(f"{own_path} is from step {own['step']}, {shared_path} from step "
+                        f"{shared['step']}")
+    if problems:
+        raise ValueError(f"--resume: {shared_path} was written with " + "; ".join(problems))
+    return shared, own
+
+
+# ---------------------------------------------------------------------------------
+# logging helpers
+# ---------------------------------------------------------------------------------
+
+
+class JsonLog:
+    """Append JSON lines on rank 0 (a no-op elsewhere or without --log)."""
+
+    def __init__(self, path, enabled, append):
+        self.handle = open(path, "a" if append else "w") if path and enabled else None
+
+    def write(self, **record):
+        if self.handle is not None:
+            self.handle.write(json.dumps(record, default=_json_default) + "\n")
+            self.handle.flush()
+
+    def close(self):
+        if self.handle is not None:
+            self.handle.close()
+
+
+def _json_default(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return str(value)
+
+
+def bytes_sent(hook_stats):
+    """The hook's total bytes sent, if its stats report one (key names vary by hook)."""
+    total = (hook_stats or {}).get("total", {})
+    for key in ("bytes_sent", "sent_bytes", "bytes"):
+        if isinstance(total.get(key), (int, float)):
+            return total[key]
+    return None
+
+
+# ---------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------
+
+
+def train(args, rank, world_size, device):
+    is_main = rank == 0
+    dataset = load_data(args)
+    # same seed on every rank: identical initial weights (DDP would broadcast them anyway)
+    torch.manual_seed(args.seed)
+    model = make_model(args, dataset).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    start_step = 0
+    rank_state = None
+    if args.resume:
+        shared, rank_state = load_checkpoint(args, rank, world_size)
+        model.load_state_dict(shared["model"])
+        optimizer.load_state_dict(shared["optimizer"])
+        start_step = shared["step"]
+    # per-rank stream for dropout and the hook's own randomness
+    torch.manual_seed(args.seed + 1 + rank)
+    if rank_state is not None:
+        torch.set_rng_state(rank_state["rng_state"])
+        if "cuda_rng_state" in rank_state and args.device == "cuda":
+            torch.cuda.set_rng_state(rank_state["cuda_rng_state"])
+
+    ddp_options = {}
+    if args.no_broadcast_buffers:
+        # torch >= 2.13 renames the option (and warns about the old name even when True)
+        ddp_parameters = inspect.signature(DistributedDataParallel.__init__).parameters
+        key = "forward_sync_buffers" if "forward_sync_buffers" in ddp_parameters else \
+            "broadcast_buffers"
+        ddp_options[key] = False
+    ddp_model = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_for(args, model), **ddp_options)
+    hook = attach_hook(ddp_model, args, device)
+    if rank_state is not None and hook is not None:
+        hook.load_state_dict(rank_state["hook_state"])
+
+    sampler = example_data.make_sampler(dataset.num_train, world_size, rank, args.seed)
+    steps_per_epoch = example_data.steps_per_epoch(dataset.num_train, world_size,
+                                                   args.batch_size)
+    total_steps = args.epochs * steps_per_epoch
+    stop_step = min(total_steps, args.steps) if args.steps else total_steps
+    log = JsonLog(args.log, is_main, append=args.resume)
+    if is_main:
+        print(f"train.py: {args.model} ({count_parameters(model):,} parameters), "
+              f"{example_data.describe(dataset)}; world size {world_size} ({dist.get_backend()}), "
+              f"hook {args.hook}, density {args.density}, {steps_per_epoch} steps/epoch, "
+              f"steps {start_step}..{stop_step}", flush=True)
+
+    progress = None
+    if is_main and not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=stop_step, initial=start_step, unit="step", dynamic_ncols=True)
+
+    iter_times = []
+    evaluation = None
+    step = start_step
+    epoch = step // steps_per_epoch
+    ddp_model.train()
+    while step < stop_step:
+        batches = example_data.shard_batches(dataset, sampler, epoch, args.batch_size,
+                                             start_step=step % steps_per_epoch)
+        for inputs, targets in batches:
+            if step >= stop_step:
+                break
+            lr = learning_rate(step, args, total_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            started = time.perf_counter()
+            inputs, targets = inputs.to(device), targets.to(device)
+            loss, _ = loss_and_correct(ddp_model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), args.clip_grad_norm)
+            optimizer.step()
+            loss_value = loss.item()  # also waits for the device on CUDA
+            iter_s = time.perf_counter() - started
+            iter_times.append(iter_s)
+            step += 1
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss became {loss_value} at step {step}; "
+                                         f"try a smaller --lr")
+            log.write(step=step, epoch=epoch, loss=loss_value, iter_s=iter_s, lr=lr)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{loss_value:.3f}", ms=f"{1000 * iter_s:.0f}",
+                                     refresh=False)
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                save_checkpoint(args, rank, world_size, step, model, optimizer, hook)
+        if step % steps_per_epoch == 0:  # the epoch ran to its end
+            test_loss, test_accuracy = evaluate(model, dataset, rank, world_size, device)
+            evaluation = (step, test_loss, test_accuracy)
+            log.write(epoch=epoch, step=step, test_accuracy=test_accuracy, test_loss=test_loss)
+            if is_main:
+                line = (f"epoch {epoch} (step {step}): test accuracy {test_accuracy:.4f}, "
+                        f"test loss {test_loss:.4f}")
+                if progress is not None:
+                    progress.write(line)  # keeps the bar intact
+                else:
+                    print(line, flush=True)
+            if args.checkpoint and not (args.checkpoint_every
+                                        and step % args.checkpoint_every == 0):
+                save_checkpoint(args, rank, world_size, step, model, optimizer, hook)
+        epoch += 1
+    if progress is not None:
+        progress.close()
+
+    if evaluation is None or evaluation[0] != step:
+        test_loss, test_accuracy = evaluate(model, dataset, rank, world_size, device)
+        evaluation = (step, test_loss, test_accuracy)
+        log.write(epoch=step / steps_per_epoch, step=step, test_accuracy=test_accuracy,
+                  test_loss=test_loss)
+        if args.checkpoint and step > start_step:
+            save_checkpoint(args, rank, world_size, step, model, optimizer, hook)
+
+    summary = summarise(args, world_size, start_step, step, iter_times, evaluation, hook, model)
+    log.write(**summary)
+    log.close()
+    if is_main:
+        print("summary: " + " ".join(f"{key}={_format(value)}" for key, value in summary.items()
+                                     if key not in ("summary", "hook_stats")
+                                     and value is not None), flush=True)
+    return summary
+
+
+def summarise(args, world_size, start_step, step, iter_times, evaluation, hook, model):
+    """Final numbers: accuracy, iteration time in steady state, bytes the hook sent."""
+    # leave out DDP's set-up iterations and the hook's dense warm-up (when they ran now)
+    skip = max(0, max(DDP_SETUP_STEPS, args.warmup_steps) - start_step)
+    steady = iter_times[skip:] or iter_times
+    hook_stats = hook.stats() if hook is not None else None
+    sent = bytes_sent(hook_stats)
+    dense_bytes_per_step = sum(p.numel() * p.element_size() for p in model.parameters())
+    if args.hook == "allreduce":
+        # DDP's payload: every gradient element, every step since step 0
+        sent = step * dense_bytes_per_step
+    elif args.hook == "powersgd":
+        # PowerSGD counts elements only in compressed steps; add its dense warm-up steps
+        numel_after = hook_stats["total"]["numel_after_compression"]
+        sent = 4 * numel_after + min(step, args.warmup_steps) * dense_bytes_per_step
+    return {
+        "summary": True, "model": args.model, "hook": args.hook, "world_size": world_size,
+        "steps": step, "test_accuracy": evaluation[2], "test_loss": evaluation[1],
+        "mean_iter_s": statistics.fmean(steady) if steady else None,
+        "median_iter_s": statistics.median(steady) if steady else None,
+        "timed_steps": len(steady),
+        "bytes_sent": sent,
+        "bytes_sent_per_step": sent / step if sent is not None and step else None,
+        "hook_stats": hook_stats,
+    }
+
+
+def _format(value):
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return json.dumps(value, default=_json_default, separators=(",", ":"))
+    return str(value)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rank, world_size, device = init_distributed(args)
+    train(args, rank, world_size, device)
+    # Free the DDP model (and the hook state that references it) before tearing down the
+    # process group: gloo otherwise aborts at interpreter exit in ~10-20% of runs.
+    gc.collect()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

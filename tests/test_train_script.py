@@ -1,0 +1,285 @@
+"""scripts/train.py: options, schedule, and real 2-rank torchrun runs (gloo on CPU).
+
+Every launch runs in its own session with a hard timeout; on expiry the whole process
+group (torchrun and its workers) is killed, so a hung collective fails the test instead
+of blocking the suite. Runs use the 8x8 digits and small batches to stay fast.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "train.py"
+LAUNCH_TIMEOUT_S = 150
+# fast settings shared by the runs: 8x8 digits, 16 samples per rank -> 44 steps/epoch
+FAST = ["--model", "resnet20", "--image-size", "8", "--batch-size", "16", "--epochs", "2",
+        "--no-progress", "--threads", "1"]
+# the same on random 3x8x8 images: no scikit-learn import, for runs that test the hooks
+SYNTHETIC = FAST + ["--synthetic"]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("train_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train_script():
+    return _load_script()
+
+
+def launch(args, nproc=2, timeout=LAUNCH_TIMEOUT_S):
+    """Run train.py under torchrun (nproc ranks) or plainly (nproc=None); return the result."""
+    if nproc is None:
+        command = [sys.executable, str(SCRIPT), *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={nproc}", str(SCRIPT), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and every worker it started
+        output, _ = process.communicate()
+        pytest.fail(f"train.py did not finish within {timeout} s:\n{output[-4000:]}")
+    return process.returncode, output
+
+
+def launch_ok(args, nproc=2):
+    returncode, output = launch(args, nproc)
+    assert returncode == 0, f"train.py failed ({returncode}):\n{output[-6000:]}"
+    return output
+
+
+def read_log(path):
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "test_accuracy" in r and not r.get("summary")]
+    summaries = [r for r in records if r.get("summary")]
+    return steps, evals, summaries
+
+
+# --------------------------------------------------------------------- in-process parts
+
+
+def test_options_are_validated_before_anything_starts(train_script):
+    parse = train_script.parse_args
+    for bad in (["--density", "0"], ["--density", "1.5"], ["--resume"],
+                ["--hook", "allreduce", "--strategy", "greedy"], ["--steps", "0"],
+                ["--hook", "powersgd", "--warmup-steps", "1"], ["--model", "resnet50"],
+                ["--model", "vgg16", "--image-size", "16"], ["--checkpoint-every", "3"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+    args = parse(["--model", "lstm"])
+    assert (args.lr, args.weight_decay, args.clip_grad_norm) == (1.0, 0.0, 1.0)
+    args = parse(["--model", "resnet20", "--lr", "0.3", "--clip-grad-norm", "0"])
+    assert (args.lr, args.weight_decay, args.clip_grad_norm) == (0.3, 5e-4, None)
+
+
+def test_invalid_option_message_names_it():
+    returncode, output = launch(["--density", "2"], nproc=None, timeout=60)
+    assert returncode == 2 and "--density" in output
+
+
+def test_learning_rate_warms_up_linearly_then_decays_to_zero(train_script):
+    args = train_script.parse_args(["--lr", "0.2", "--lr-warmup-steps", "4"])
+    lrs = [train_script.learning_rate(step, args, total_steps=20) for step in range(20)]
+    assert lrs[:4] == pytest.approx([0.05, 0.1, 0.15, 0.2])
+    assert lrs[4] == pytest.approx(0.2)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # monotone cosine decay
+    assert train_script.learning_rate(20, args, 20) == pytest.approx(0.0)
+    assert lrs[12] == pytest.approx(0.1, rel=0.05)  # half-way through the decay
+    constant = train_script.parse_args(["--lr", "0.2", "--lr-schedule", "constant"])
+    assert train_script.learning_rate(500, constant, 20) == 0.2
+
+
+def test_powersgd_gets_a_single_bucket_on_gloo(train_script):
+    from omgs_hook.examples.models import resnet20
+
+    model = resnet20()
+    model_mib = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    powersgd = train_script.parse_args(["--hook", "powersgd"])
+    assert train_script.bucket_cap_for(powersgd, model) > model_mib
+    plain = train_script.parse_args(["--hook", "allreduce", "--bucket-cap-mb", "0.5"])
+    assert train_script.bucket_cap_for(plain, model) == 0.5
+
+
+def test_omgs_based_hooks_map_to_planner_strategies(train_script, monkeypatch):
+    import omgs_hook
+
+    calls = []
+    # setitem, not setattr: reading the old value would trigger omgs_hook's lazy import
+    monkeypatch.setitem(vars(omgs_hook), "register",
+                        lambda ddp, **options: calls.append(options))
+    expected = {"topk": "single", "lags": "layerwise", "omgs": "optimal"}
+    for hook, strategy in expected.items():
+        args = train_script.parse_args(["--hook", hook, "--density", "0.02",
+                                        "--warmup-steps", "3", "--replan-every", "7"])
+        train_script.attach_hook(object(), args, torch.device("cpu"))
+        assert calls[-1]["strategy"] == strategy
+        assert (calls[-1]["density"], calls[-1]["warmup_steps"],
+                calls[-1]["replan_every"]) == (0.02, 3, 7)
+    args = train_script.parse_args(["--hook", "omgs", "--strategy", "threshold:65536"])
+    train_script.attach_hook(object(), args, torch.device("cpu"))
+    assert calls[-1]["strategy"] == "threshold:65536"
+    assert train_script.attach_hook(object(), train_script.parse_args(
+        ["--hook", "allreduce"]), torch.device("cpu")) is None
+    assert len(calls) == 4
+
+
+# --------------------------------------------------------------------- torchrun launches
+
+
+@pytest.fixture(scope="module")
+def full_allreduce_run(tmp_path_factory):
+    """6 uninterrupted allreduce steps on the real digits, with log and checkpoint."""
+    folder = tmp_path_factory.mktemp("full")
+    log, checkpoint = folder / "full.jsonl", folder / "full.pt"
+    output = launch_ok(FAST + ["--hook", "allreduce", "--steps", "6", "--log-file", str(log),
+                               "--checkpoint", str(checkpoint)])
+    return output, log, checkpoint
+
+
+@pytest.mark.multiprocess
+def test_allreduce_run_writes_json_lines_and_a_summary(full_allreduce_run):
+    output, log, _ = full_allreduce_run
+    steps, evals, summaries = read_log(log)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for record in steps:
+        assert math.isfinite(record["loss"]) and record["loss"] > 0
+        assert 0 < record["iter_s"] < 60 and record["lr"] > 0
+    assert len(evals) == 1 and evals[0]["step"] == 6
+    assert {"epoch", "test_accuracy", "test_loss"} <= set(evals[0])
+    assert 0.0 <= evals[0]["test_accuracy"] <= 1.0 and evals[0]["test_loss"] > 0
+    (summary,) = summaries
+    assert summary["steps"] == 6 and summary["world_size"] == 2
+    assert summary["test_accuracy"] == evals[0]["test_accuracy"]
+    assert summary["bytes_sent"] == 6 * 4 * 269_434  # dense float32 gradients
+    assert "summary:" in output and "test_accuracy=" in output and "mean_iter_s=" in output
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_and_resume_match_the_uninterrupted_run(full_allreduce_run, tmp_path):
+    """3 steps, checkpoint, resume for 3 more == 6 steps in one go, bit for bit."""
+    _, full_log, full_checkpoint = full_allreduce_run
+    part = tmp_path / "part.pt"
+    launch_ok(FAST + ["--hook", "allreduce", "--steps", "3", "--checkpoint", str(part)])
+    halfway = torch.load(part, weights_only=True)
+    assert halfway["step"] == 3
+    assert (tmp_path / "part.pt.rank0").exists() and (tmp_path / "part.pt.rank1").exists()
+    resumed_log = tmp_path / "resumed.jsonl"
+    launch_ok(FAST + ["--hook", "allreduce", "--steps", "6", "--checkpoint", str(part),
+                      "--resume", "--log-file", str(resumed_log)])
+    resumed_steps, _, _ = read_log(resumed_log)
+    full_steps, _, _ = read_log(full_log)
+    assert [r["step"] for r in resumed_steps] == [4, 5, 6]
+    # the same losses at the same steps: same data order, weights and learning rates
+    assert [r["loss"] for r in resumed_steps] == [r["loss"] for r in full_steps[3:]]
+
+    full = torch.load(full_checkpoint, weights_only=True)
+    resumed = torch.load(part, weights_only=True)
+    assert resumed["step"] == full["step"] == 6
+    for name, tensor in full["model"].items():
+        assert torch.equal(resumed["model"][name], tensor), name
+        if tensor.is_floating_point() and name.endswith("weight"):
+            assert not torch.equal(halfway["model"][name], tensor), f"{name} never trained"
+    for index, state in full["optimizer"]["state"].items():
+        assert torch.equal(resumed["optimizer"]["state"][index]["momentum_buffer"],
+                           state["momentum_buffer"])
+
+
+@pytest.mark.multiprocess
+def test_resume_refuses_a_checkpoint_of_another_setup(full_allreduce_run, train_script,
+                                                      tmp_path):
+    _, _, checkpoint = full_allreduce_run
+    args = train_script.parse_args(["--hook", "powersgd", "--checkpoint", str(checkpoint),
+                                    "--resume"])
+    with pytest.raises(ValueError, match=r"hook 'allreduce' \(now 'powersgd'\).*"
+                                         r"world size 2 \(now 4\)"):
+        train_script.load_checkpoint(args, rank=0, world_size=4)
+    args = train_script.parse_args(["--hook", "allreduce", "--checkpoint", str(checkpoint),
+                                    "--resume"])
+    shared, own = train_script.load_checkpoint(args, rank=1, world_size=2)
+    assert shared["step"] == own["step"] == 6 and own["rank"] == 1
+    missing = train_script.parse_args(["--checkpoint", str(tmp_path / "none.pt"), "--resume"])
+    with pytest.raises(FileNotFoundError, match="none.pt does not exist"):
+        train_script.load_checkpoint(missing, rank=0, world_size=2)
+
+
+def test_powersgd_state_round_trips_through_a_weights_only_file(train_script, tmp_path):
+    class FakeDDP:
+        def register_comm_hook(self, state, hook):
+            self.registered = (state, hook)
+
+    args = train_script.parse_args(["--hook", "powersgd", "--warmup-steps", "3"])
+    saved = train_script.PowerSGDHook(FakeDDP(), args, torch.device("cpu"))
+    saved.state.iter = 7
+    saved.state.error_dict[0] = torch.randn(5)
+    saved.state.p_memory_dict[1] = torch.randn(4, 2)
+    saved.state.total_numel_after_compression = 99
+    saved.state.rng.rand(3)  # move the RNG away from its seed
+    path = tmp_path / "powersgd.pt"
+    torch.save(saved.state_dict(), path)
+
+    restored = train_script.PowerSGDHook(FakeDDP(), args, torch.device("cpu"))
+    restored.load_state_dict(torch.load(path, weights_only=True))
+    assert restored.state.iter == 7 and restored.state.start_powerSGD_iter == 3
+    assert torch.equal(restored.state.error_dict[0], saved.state.error_dict[0])
+    assert torch.equal(restored.state.p_memory_dict[1], saved.state.p_memory_dict[1])
+    assert restored.stats()["total"]["numel_after_compression"] == 99
+    # the projection RNG continues where it was, so every rank draws the same Q next
+    assert (restored.state.rng.rand(4) == saved.state.rng.rand(4)).all()
+
+
+@pytest.mark.multiprocess
+def test_powersgd_compresses_on_gloo_without_hanging(tmp_path):
+    checkpoint, log = tmp_path / "p.pt", tmp_path / "p.jsonl"
+    launch_ok(SYNTHETIC + ["--hook", "powersgd", "--warmup-steps", "2", "--steps", "5",
+                           "--checkpoint", str(checkpoint), "--log-file", str(log)])
+    state = torch.load(f"{checkpoint}.rank1", weights_only=True)["hook_state"]
+    assert state["iter"] == 5 and state["error_dict"]  # compressed steps 3 to 5 ran
+    _, _, (summary,) = read_log(log)
+    stats = summary["hook_stats"]["total"]
+    assert summary["steps"] == 5 and stats["compression_rate"] > 5
+    dense_step = 4 * 269_722
+    assert summary["bytes_sent"] == 2 * dense_step + 4 * stats["numel_after_compression"]
+
+
+@pytest.mark.multiprocess
+def test_omgs_trains_sparsely_and_resumes_its_state(tmp_path):
+    checkpoint, log = tmp_path / "o.pt", tmp_path / "o.jsonl"
+    # --no-dense-groups: on loopback the cost model would send most groups dense
+    common = SYNTHETIC + ["--hook", "omgs", "--density", "0.05", "--warmup-steps", "2",
+                          "--no-dense-groups", "--checkpoint", str(checkpoint),
+                          "--log-file", str(log)]
+    launch_ok(common + ["--steps", "5"])
+    saved = torch.load(f"{checkpoint}.rank1", weights_only=True)["hook_state"]
+    assert saved["step"] == 5 and saved["residuals"]
+    launch_ok(common + ["--steps", "8", "--resume"])
+    steps, evals, summaries = read_log(log)
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    stats = summaries[-1]["hook_stats"]
+    assert stats["step"] == 8 and stats["total"]["steps"] == 8  # counters continued
+    assert stats["plan"] is not None and stats["plan"]["num_groups"] >= 1
+    assert stats["plan"]["dense"] == [False] * stats["plan"]["num_groups"]
+    assert len(stats["backward_s_per_unit"]) > 1, "bucket_cap_mb=0.1 gives several buckets"
+    # 2 dense steps of 4-byte values, then 6 sparse ones at 5 % of 8-byte (value, index)
+    dense_step = 4 * 269_722
+    total = stats["total"]
+    assert summaries[-1]["bytes_sent"] == total["bytes_sent"]
+    expected = 2 * dense_step + 6 * 0.1 * dense_step
+    assert expected <= total["bytes_sent"] < expected + 0.01 * dense_step
