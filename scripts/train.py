@@ -432,7 +432,10 @@ class JsonLog:
     """Append JSON lines on rank 0 (a no-op elsewhere or without --log)."""
 
     def __init__(self, path, enabled, append):
-        self.handle = open(path, "a" if append else "w") if path and enabled else None
+        self.handle = None
+        if path and enabled:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.handle = open(path, "a" if append else "w")
 
     def write(self, **record):
         if self.handle is not None:
