@@ -136,3 +136,34 @@ def test_world_size_change_policy_and_shape_checks():
 def test_state_dict_format_is_checked():
     with pytest.raises(ValueError, match="format_version"):
         OMGSState().load_state_dict({"residuals": {}})
+
+
+def profile_warning_worker(rank, world_size, profile_path):
+    import warnings
+
+    model = nn.Linear(8, 4)
+    ddp = DDP(model)
+    state = omgs_hook.register(ddp, profile=profile_path, warmup_steps=0, density=0.25)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp(torch.randn(2, 8)).sum().backward()
+    comm = state.stats()["comm_model"]
+    del ddp, state
+    gc.collect()
+    return [str(w.message) for w in caught if "omgs_hook" in str(w.message)], comm
+
+
+@pytest.mark.timeout(60)
+def test_profile_from_another_world_size_is_used_with_a_warning(tmp_path):
+    profile = {
+        "schema_version": 1, "world_size": 4, "backend": "gloo", "device": "cpu",
+        "comm": {"alpha_s": 2.5e-4, "beta_s_per_byte": 1.5e-9},
+        "dense": {"alpha_s": 2.6e-4, "beta_s_per_byte": 6e-10},
+        "topk": {"backend": "sampled", "c0": 1e-5, "c1": 2e-9, "c2": 0.0},
+    }
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    ((messages, comm),) = run_ranks("test_hook_validation", "profile_warning_worker",
+                                    world_size=1, profile_path=str(path))
+    assert any("world_size=4" in m and "world_size=1" in m for m in messages), messages
+    assert comm["alpha_s"] == 2.5e-4 and comm["beta_s_per_byte"] == 1.5e-9
