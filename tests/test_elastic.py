@@ -3,6 +3,7 @@ resumes from the last checkpoint (model, optimizer and every rank's hook state).
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,15 @@ def test_torchrun_max_restarts_resumes_from_checkpoint(tmp_path):
         "--resume-if-present", "--fail-at-step", "6", "--log-file", str(log),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, env=env)
-    output = proc.stdout + proc.stderr
+    # a session of its own, so a hang kills torchrun *and* its workers
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail("torchrun did not finish within 280 s:\n" + output[-4000:])
     assert proc.returncode == 0, output[-4000:]
     assert "fails on purpose after step 6" in output
     records = [json.loads(line) for line in log.read_text().splitlines()]
