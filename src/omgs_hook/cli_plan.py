@@ -1,0 +1,146 @@
+"""``omgs-plan``: plan merged-gradient groups for instances given as JSON.
+
+Usage::
+
+    omgs-plan [FILE | -] [--strategy optimal|greedy|layerwise|single|threshold:BYTES]
+
+Reads one instance (a JSON object) or a JSON list of instances from ``FILE`` (standard
+input when ``FILE`` is ``-`` or missing) and prints, as JSON, one plan per instance (a
+list for a list)::
+
+    {"strategy": "optimal", "groups": [[0, 1], [2]], "predicted_iteration_s": 0.0123,
+     "non_overlapped_s": 0.0011}
+
+plus ``"dense": [false, true]`` when the instance has a ``dense`` cost. The instance
+format is that of :meth:`omgs_hook.cost_model.Instance.from_dict` (see
+``docs/cost-model.md``).
+
+Errors (unreadable file, invalid JSON, a missing, mistyped or out-of-range field, an
+unknown strategy) print one line on standard error naming the problem - e.g.
+``omgs-plan: error: [1].layers[2].numel: must be a positive integer, got -3 (int)``
+- and exit with status 2.
+
+The command never imports torch (nor does anything it imports), so it starts in a
+fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+from omgs_hook.cost_model import Instance, InstanceError
+from omgs_hook.planner import STRATEGIES, SearchBudgetWarning, make_plan, parse_strategy
+
+PROG = "omgs-plan"
+EXIT_USAGE = 2
+
+
+class _UsageError(Exception):
+    """Bad input: reported as one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage too: keep it to one line
+        raise _UsageError(message)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Plan OMGS-SGD gradient groups for one instance or a list of instances.",
+        epilog="Instance format: see docs/cost-model.md. Bad input exits with status 2.",
+    )
+    parser.add_argument(
+        "file",
+        nargs="?",
+        default="-",
+        metavar="FILE",
+        help="JSON file with one instance or a list of instances ('-' or omitted: stdin)",
+    )
+    parser.add_argument(
+        "--strategy",
+        default="optimal",
+        help=f"one of {', '.join(STRATEGIES)} (default: optimal)",
+    )
+    parser.add_argument(
+        "--indent",
+        type=int,
+        default=0,
+        help="indent the JSON output by this many spaces (default: 0, one line)",
+    )
+    return parser
+
+
+def _read(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise _UsageError(f"cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise _UsageError(f"cannot read {path}: not UTF-8 text") from None
+
+
+def _parse_json(text: str, source: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise _UsageError(
+            f"{source}: invalid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
+        ) from None
+    except RecursionError:
+        raise _UsageError(f"{source}: invalid JSON: nested too deeply") from None
+
+
+def _plan_one(data, strategy: str, where: str) -> dict:
+    """Plan one instance; ``where`` prefixes field names in errors ("" or "[3].")."""
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise _UsageError(
+            f"{where.rstrip('.') or 'input'}: an instance must be a JSON object, got {kind}"
+        )
+    try:
+        inst = Instance.from_dict(data)
+    except InstanceError as error:
+        raise _UsageError(f"{where}{error}") from None
+    plan = make_plan(inst, strategy)
+    return plan.to_dict(include_dense=inst.dense is not None)
+
+
+def run(args: argparse.Namespace) -> object:
+    """Plan what ``args`` names; returns the JSON-ready result (raises _UsageError)."""
+    try:
+        strategy = parse_strategy(args.strategy)
+    except ValueError as error:
+        raise _UsageError(f"--strategy: {error}") from None
+    source = "<stdin>" if args.file == "-" else args.file
+    data = _parse_json(_read(args.file), source)
+    if isinstance(data, list):
+        return [_plan_one(item, strategy, f"[{i}].") for i, item in enumerate(data)]
+    return _plan_one(data, strategy, "")
+
+
+def main(argv=None) -> int:
+    """Entry point of ``omgs-plan``; returns the exit status."""
+    try:
+        args = _build_parser().parse_args(argv)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", SearchBudgetWarning)
+            result = run(args)
+    except _UsageError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    for warning in caught:
+        print(f"{PROG}: warning: {warning.message}", file=sys.stderr)
+    json.dump(result, sys.stdout, indent=args.indent if args.indent > 0 else None)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,881 @@
+"""Choosing the groups: which DDP buckets to merge before sparsifying (OMGS-SGD).
+
+Given an :class:`~omgs_hook.cost_model.Instance` (units in gradient-ready order and the
+fitted cost terms), a *plan* splits the units into contiguous groups and, when the
+instance has a dense cost, says which groups go dense. The timeline of a plan is the
+recurrence of :mod:`omgs_hook.cost_model`; this module only decides the groups.
+
+Strategies (:func:`make_plan`; names accepted by :func:`parse_strategy`):
+
+``optimal``
+    The exact minimum of ``predicted_iteration_s`` over all ``2**(L-1)`` contiguous
+    partitions (and, with a dense cost, over every sparse/dense choice per group), found
+    by a dynamic program over Pareto fronts of timeline states (:class:`_FrontierSearch`
+    explains the algorithm and why it is exact).
+``greedy``
+    The paper's rule: walk the units in ready order and merge the next unit into the
+    current group when the extra wait that merging causes is smaller than the
+    communication time one collective fewer saves (:func:`greedy_groups`).
+``layerwise``
+    Every unit alone (LAGS-SGD).
+``single``
+    One group with everything (TopK-SGD).
+``threshold:BYTES``
+    Walk in ready order and close a group as soon as it holds at least ``BYTES`` bytes of
+    gradient (``value_bytes * numel``); the last group may be smaller
+    (:func:`threshold_groups`).
+
+Dense option: when the instance has a ``dense`` cost, ``optimal`` chooses the mode of
+every group inside the same exact search. The other strategies choose their groups by
+their own rule (which looks at the sparse costs only) and then take, for those fixed
+groups, the sparse/dense modes that minimise the predicted iteration time - again
+exactly, with the same search restricted to the given group boundaries
+(:func:`best_modes`). Without a dense cost every group is sparse and all results are
+those of the sparse model.
+
+Search budget: the exact search counts the candidate states it examines; past
+:data:`SEARCH_BUDGET` (reached only in regimes where the Pareto fronts stay large - a
+top-k cost with ``c2 > 0`` on a network much slower than compute, or dense costs that
+trade closely against sparse ones, with hundreds of units) ``optimal`` returns the best
+plan a beam search and the heuristics found and emits :class:`SearchBudgetWarning`.
+
+Determinism: a plan depends only on the instance - no randomness, timing or object
+hashing - and ties are broken by fixed orders (stable sorts; among equal states the one
+generated first wins: earlier group start, sparse before dense), so every rank that
+plans the same instance with the same software gets the same plan.
+
+Floating point: "exact" means exact up to rounding. Two search states whose times differ
+by less than ``1e-12`` of the instance's time scale (:func:`_time_scale`) are treated as
+equal, which removes duplicates that differ only by rounding noise; the reported times
+are always those of :func:`~omgs_hook.cost_model.simulate` on the chosen plan.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from omgs_hook.cost_model import (
+    Instance,
+    InstanceError,
+    check_dense,
+    check_groups,
+    simulate,
+)
+
+__all__ = [
+    "Plan",
+    "STRATEGIES",
+    "parse_strategy",
+    "make_plan",
+    "evaluate",
+    "greedy_groups",
+    "threshold_groups",
+    "best_modes",
+    "SearchBudgetWarning",
+    "SEARCH_BUDGET",
+]
+
+STRATEGIES = ("optimal", "greedy", "layerwise", "single", "threshold:BYTES")
+
+Groups = Tuple[Tuple[int, ...], ...]
+
+# States closer than this fraction of the instance's time scale count as equal (see the
+# module docstring): far above float64 rounding noise, far below anything measurable.
+_RELATIVE_TIE = 1e-12
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A grouping of the units and its predicted timeline.
+
+    Fields:
+        strategy: the normalised strategy that produced it (``"fixed"`` for
+            :func:`evaluate` unless told otherwise).
+        groups: contiguous runs of unit indices in ready order, e.g. ``((0, 1), (2,))``.
+        dense: one flag per group, ``True`` where the group is sent as a dense
+            all-reduce (always all ``False`` without a dense cost).
+        predicted_iteration_s: ``forward_s + e_m`` of the timeline.
+        non_overlapped_s: ``e_m - sum(backward_s)``.
+    """
+
+    strategy: str
+    groups: Groups
+    dense: Tuple[bool, ...]
+    predicted_iteration_s: float
+    non_overlapped_s: float
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def to_dict(self, include_dense: bool = True) -> dict:
+        """JSON form. ``include_dense=False`` leaves out the dense flags (``omgs-plan``
+        does that for instances without a dense cost)."""
+        d = {
+            "strategy": self.strategy,
+            "groups": [list(g) for g in self.groups],
+            "predicted_iteration_s": self.predicted_iteration_s,
+            "non_overlapped_s": self.non_overlapped_s,
+        }
+        if include_dense:
+            d["dense"] = list(self.dense)
+        return d
+
+
+# ---------------------------------------------------------------------------
+# strategy names
+
+_THRESHOLD = re.compile(r"^threshold:(.*)$")
+
+
+def parse_strategy(text) -> str:
+    """Normalise a strategy name (case and surrounding blanks do not matter).
+
+    ``threshold:BYTES`` takes a positive integer number of bytes, written as an integer
+    or as a number with an integral value (``25000000``, ``2.5e7``); it is normalised to
+    ``threshold:<integer>``. Raises ``ValueError`` naming the valid choices otherwise.
+    """
+    valid = ", ".join(STRATEGIES)
+    if not isinstance(text, str):
+        raise ValueError(f"strategy must be a string, one of: {valid}; got {text!r}")
+    name = text.strip().lower()
+    if name in ("optimal", "greedy", "layerwise", "single"):
+        return name
+    match = _THRESHOLD.match(name)
+    if match:
+        try:
+            value = float(match.group(1).strip())
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 1 and value == int(value)):
+            raise ValueError(
+                f"strategy {text!r}: BYTES in threshold:BYTES must be a positive integer"
+            )
+        return f"threshold:{int(value)}"
+    raise ValueError(f"unknown strategy {text!r}; valid choices: {valid}")
+
+
+# ---------------------------------------------------------------------------
+# public entry points
+
+
+def make_plan(inst: Instance, strategy: str = "optimal") -> Plan:
+    """Plan ``inst`` with ``strategy`` (see the module docstring for the strategies)."""
+    if not isinstance(inst, Instance):
+        raise TypeError(f"make_plan expects an Instance, got {type(inst).__name__}")
+    strategy = parse_strategy(strategy)
+    num_units = inst.num_units
+    if strategy == "optimal":
+        prefix_sums = _prefix_sums(inst)
+        L = num_units
+        known = [np.cumsum([len(g) for g in greedy_groups(inst)]), np.array([L])]
+        if L <= _LAYERWISE_BOUND_UNITS:
+            known.append(np.arange(1, L + 1))
+        bounds, modes = _search(inst, prefix_sums, known, boundaries=None)
+        return _finish(inst, strategy, _groups_from_bounds(bounds), modes)
+    if strategy == "greedy":
+        groups = greedy_groups(inst)
+    elif strategy == "layerwise":
+        groups = tuple((u,) for u in range(num_units))
+    elif strategy == "single":
+        groups = (tuple(range(num_units)),)
+    else:
+        groups = threshold_groups(inst, int(strategy.split(":", 1)[1]))
+    return _finish(inst, strategy, groups, best_modes(inst, groups))
+
+
+def evaluate(inst: Instance, groups, dense=None, strategy: str = "fixed") -> Plan:
+    """Predict the timeline of given groups (e.g. a plan fixed by the user).
+
+    Args:
+        inst: the instance.
+        groups: contiguous runs of unit indices covering all units in ready order.
+        dense: per-group booleans; ``None`` lets the planner choose the cheapest modes
+            when the instance has a dense cost (all sparse otherwise).
+        strategy: label stored in the returned plan.
+
+    Raises :class:`~omgs_hook.cost_model.InstanceError` for malformed groups or flags.
+    """
+    if not isinstance(inst, Instance):
+        raise TypeError(f"evaluate expects an Instance, got {type(inst).__name__}")
+    groups = check_groups(groups, inst.num_units)
+    if dense is None:
+        modes = best_modes(inst, groups)
+    else:
+        modes = check_dense(dense, inst, len(groups))
+    return _finish(inst, strategy, groups, modes)
+
+
+def _finish(inst: Instance, strategy: str, groups, modes) -> Plan:
+    # the reported times always come from the reference simulation, whatever the search
+    # computed internally, so that evaluate(inst, plan.groups, plan.dense) == plan
+    timeline = simulate(inst, groups, modes)
+    return Plan(
+        strategy=strategy,
+        groups=tuple(tuple(g) for g in groups),
+        dense=tuple(bool(x) for x in modes),
+        predicted_iteration_s=timeline.predicted_iteration_s,
+        non_overlapped_s=timeline.non_overlapped_s,
+    )
+
+
+# ---------------------------------------------------------------------------
+# heuristic groupings
+
+
+def greedy_groups(inst: Instance) -> Groups:
+    """The OMGS-SGD paper's greedy merge rule, in ready order.
+
+    With the current group ``G`` (``D`` elements, ``B`` seconds of backward) and the
+    timeline state ``(c, e)`` before it, closing ``G`` now would finish its compute at
+    ``c_G = c + B + t_s(D)``, and its collective would first wait ``queued = max(0, e -
+    c_G)`` for the network. Merging the next unit ``u`` delays that collective by
+
+        ``extra_wait = backward_s[u] + t_s(D + numel[u]) - t_s(D) - queued``
+
+    (the part of the delay that the queue would have cost anyway is free) and saves the
+    cost of one collective:
+
+        ``saved = t_c(D) + t_c(numel[u]) - t_c(D + numel[u])``
+
+    (``alpha`` plus the bytes of the selected entries that rounding ``k`` up no longer
+    duplicates). The unit is merged when ``extra_wait < saved``; otherwise ``G`` is
+    closed (the state advances by the timeline recurrence) and ``u`` starts the next
+    group. Only the sparse costs are consulted; modes are chosen afterwards by
+    :func:`best_modes`.
+    """
+    c0, c1, c2 = inst.topk.c0, inst.topk.c1, inst.topk.c2
+    alpha, beta = inst.comm.alpha_s, inst.comm.beta_s_per_byte
+    entry_bytes = inst.value_bytes + inst.index_bytes
+    density = inst.density
+    log2 = math.log2
+
+    # the same float expressions as TopkCost.time / Instance.sparse_comm_time, inlined
+    # because this loop runs once per unit
+    def topk_time(numel):
+        return c0 + c1 * numel + c2 * numel * log2(numel)
+
+    def comm_time(numel):
+        return alpha + beta * (max(1, math.ceil(density * numel)) * entry_bytes)
+
+    layers = inst.layers
+    compute = network = 0.0
+    groups: List[Tuple[int, ...]] = []
+    start = 0
+    numel = layers[0].numel
+    backward = layers[0].backward_s
+    numel_topk = topk_time(numel)
+    numel_comm = comm_time(numel)
+    for u in range(1, len(layers)):
+        unit = layers[u]
+        closed_compute = compute + backward + numel_topk
+        queued = network - closed_compute
+        if queued < 0.0:
+            queued = 0.0
+        merged = numel + unit.numel
+        merged_topk = topk_time(merged)
+        merged_comm = comm_time(merged)
+        extra_wait = unit.backward_s + merged_topk - numel_topk - queued
+        saved = numel_comm + comm_time(unit.numel) - merged_comm
+        if extra_wait < saved:
+            numel, backward = merged, backward + unit.backward_s
+            numel_topk, numel_comm = merged_topk, merged_comm
+            continue
+        groups.append(tuple(range(start, u)))
+        compute = closed_compute
+        network = max(network, compute) + numel_comm
+        start, numel, backward = u, unit.numel, unit.backward_s
+        numel_topk, numel_comm = topk_time(numel), comm_time(numel)
+    groups.append(tuple(range(start, len(layers))))
+    return tuple(groups)
+
+
+def threshold_groups(inst: Instance, threshold_bytes: int) -> Groups:
+    """Close a group once it holds at least ``threshold_bytes`` bytes of gradient.
+
+    A group's gradient bytes are ``value_bytes * numel``; the last group may be smaller.
+    """
+    if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, int) or (
+        threshold_bytes <= 0
+    ):
+        raise ValueError(f"threshold_bytes must be a positive integer, got {threshold_bytes!r}")
+    groups: List[Tuple[int, ...]] = []
+    start = 0
+    gradient_bytes = 0
+    for u, unit in enumerate(inst.layers):
+        gradient_bytes += inst.value_bytes * unit.numel
+        if gradient_bytes >= threshold_bytes:
+            groups.append(tuple(range(start, u + 1)))
+            start, gradient_bytes = u + 1, 0
+    if start < inst.num_units:
+        groups.append(tuple(range(start, inst.num_units)))
+    return tuple(groups)
+
+
+def best_modes(inst: Instance, groups) -> Tuple[bool, ...]:
+    """Per-group sparse/dense choice that minimises the predicted time of fixed groups.
+
+    Without a dense cost every group is sparse. With one, this runs the exact search of
+    :class:`_FrontierSearch` with the group boundaries fixed, so only the modes are free;
+    ties prefer sparse.
+    """
+    groups = check_groups(groups, inst.num_units)
+    if inst.dense is None:
+        return (False,) * len(groups)
+    bounds = np.cumsum([len(g) for g in groups])
+    _, modes = _search(inst, _prefix_sums(inst), [bounds], boundaries=bounds)
+    return modes
+
+
+class SearchBudgetWarning(UserWarning):
+    """The exact search hit :data:`SEARCH_BUDGET`; the plan returned is the best one a
+    bounded (beam) search and the heuristics found, not a proven optimum."""
+
+
+# Candidate states the exact search may examine before it gives up (see
+# SearchBudgetWarning). A count, not a time, so that every rank stops at the same point;
+# about half a second of work on a laptop-class core. Only dense-cost instances with
+# hundreds of units in regimes where dense and sparse trade off closely get near it.
+SEARCH_BUDGET = 10_000_000
+# Sparse instances first try the exact search with this budget and the heuristic bound.
+_FIRST_ATTEMPT_BUDGET = 1_000_000
+# States kept per prefix by the beam search that supplies upper bounds.
+_BEAM_WIDTH = 4
+# Up to this many units the layerwise plan is one of the upper-bound candidates.
+_LAYERWISE_BOUND_UNITS = 4096
+
+
+def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
+    """Best (bounds, modes): exact when the search fits in :data:`SEARCH_BUDGET`.
+
+    ``known_bounds`` are groupings (as group end prefixes) whose simple-rule plans give
+    the first upper bound; with a dense cost a beam search tightens it before the exact
+    search (the bound is what prunes the dense search). If the exact search runs out of
+    budget, the best plan seen so far is returned with a :class:`SearchBudgetWarning`.
+    """
+    rules = ("sparse",) if inst.dense is None else ("sparse", "dense", "cheaper")
+    best_value, best_plan = math.inf, None
+    for bounds in known_bounds:
+        for rule in rules:
+            value, modes = _comm_end(inst, prefix_sums, bounds, rule)
+            if value < best_value:
+                best_value, best_plan = value, (tuple(int(b) for b in bounds), modes)
+
+    def run_beam():
+        nonlocal best_value, best_plan
+        found = _FrontierSearch(
+            inst, upper_bound=best_value, boundaries=boundaries, beam=_BEAM_WIDTH
+        ).solve()
+        if found is not None:
+            value, _ = _comm_end(inst, prefix_sums, found[0], found[1])
+            if value < best_value:
+                best_value, best_plan = value, found
+
+    if inst.dense is None:
+        # most sparse instances finish quickly with the heuristic bound; only when this
+        # first, short attempt runs out does the beam search tighten the bound
+        first_budget = min(SEARCH_BUDGET, _FIRST_ATTEMPT_BUDGET)
+        exact = _FrontierSearch(
+            inst, upper_bound=best_value, boundaries=boundaries, budget=first_budget
+        ).solve()
+        if exact is not None:
+            return exact
+        run_beam()
+        if first_budget == SEARCH_BUDGET:
+            return _budget_exceeded(inst, best_plan)
+    else:
+        run_beam()  # the dense search needs a tight bound from the start
+    exact = _FrontierSearch(
+        inst, upper_bound=best_value, boundaries=boundaries, budget=SEARCH_BUDGET
+    ).solve()
+    if exact is not None:
+        return exact
+    return _budget_exceeded(inst, best_plan)
+
+
+def _budget_exceeded(inst: Instance, best_plan):
+    warnings.warn(
+        f"omgs_hook planner: the exact search over {inst.num_units} units exceeded "
+        f"SEARCH_BUDGET={SEARCH_BUDGET} candidate states; using the best plan found by a "
+        f"beam search and the heuristics (not proven optimal)",
+        SearchBudgetWarning,
+        stacklevel=4,
+    )
+    return best_plan
+
+
+def _groups_from_bounds(bounds: Sequence[int]) -> Groups:
+    starts = [0] + list(bounds[:-1])
+    return tuple(tuple(range(a, b)) for a, b in zip(starts, bounds))
+
+
+def _comm_end(inst: Instance, prefix_sums, bounds, modes) -> Tuple[float, Tuple[bool, ...]]:
+    """``(e_m, modes)`` of the groups ending at prefixes ``bounds``.
+
+    ``modes`` is a tuple of per-group dense flags, or a rule: ``"sparse"`` (all sparse),
+    ``"dense"`` (all dense) or ``"cheaper"`` (dense where the dense all-reduce takes less
+    than top-k plus all-gather of that group alone). Used for upper bounds, so the
+    per-group terms are computed with numpy at once; the result agrees with
+    :func:`simulate` up to rounding.
+    """
+    numel_prefix, backward_prefix = prefix_sums
+    ends = np.asarray(bounds, dtype=np.int64)
+    starts = np.concatenate(([0], ends[:-1]))
+    numel = numel_prefix[ends] - numel_prefix[starts]
+    backward = backward_prefix[ends] - backward_prefix[starts]
+    topk = inst.topk.c0 + inst.topk.c1 * numel + inst.topk.c2 * numel * np.log2(numel)
+    k = np.maximum(1.0, np.ceil(inst.density * numel))
+    comm = inst.comm.alpha_s + inst.comm.beta_s_per_byte * (
+        k * (inst.value_bytes + inst.index_bytes)
+    )
+    if modes == "sparse" or inst.dense is None:
+        use_dense = np.zeros(numel.size, dtype=bool)
+    else:
+        dense_comm = inst.dense.alpha_s + inst.dense.beta_s_per_byte * (inst.value_bytes * numel)
+        if modes == "dense":
+            use_dense = np.ones(numel.size, dtype=bool)
+        elif modes == "cheaper":
+            use_dense = dense_comm < topk + comm
+        else:
+            use_dense = np.asarray(modes, dtype=bool)
+        comm = np.where(use_dense, dense_comm, comm)
+    step_compute = np.where(use_dense, backward, backward + topk)
+    compute = network = 0.0
+    for x, y in zip(step_compute.tolist(), comm.tolist()):
+        compute += x
+        network = (network if network > compute else compute) + y
+    return network, tuple(use_dense.tolist())
+
+
+def _prefix_sums(inst: Instance):
+    """(numel prefix sums as float64, backward prefix sums), index 0 = empty prefix."""
+    L = inst.num_units
+    numel = np.fromiter((u.numel for u in inst.layers), dtype=np.float64, count=L)
+    backward = np.fromiter((u.backward_s for u in inst.layers), dtype=np.float64, count=L)
+    return (
+        np.concatenate(([0.0], np.cumsum(numel))),
+        np.concatenate(([0.0], np.cumsum(backward))),
+    )
+
+
+def _time_scale(inst: Instance) -> float:
+    """The time of a plan no worse than the all-sparse ones (for tie tolerances).
+
+    Every state the exact search keeps finishes below the best known plan, which is at
+    most this, so it bounds all the times that are compared. (The dense cost is left out
+    on purpose: an absurd dense cost must not make the tolerance coarse.)
+    """
+    total_numel = sum(u.numel for u in inst.layers)
+    return (
+        sum(u.backward_s for u in inst.layers)
+        + inst.num_units * (inst.topk.c0 + inst.sparse_comm_time(total_numel))
+        + inst.topk.time(total_numel)
+        + inst.forward_s
+    )
+
+
+# ---------------------------------------------------------------------------
+# the exact search
+
+
+class _FrontierSearch:
+    """Exact minimum of the predicted iteration time over all plans.
+
+    **States.** After the units ``0..s-1`` are grouped, the rest of the timeline depends
+    only on the pair ``(c, e)`` of the recurrence (compute-stream and network times).
+    Closing one more group ``s..t-1`` (``D`` elements, ``B`` seconds of backward) maps a
+    state to
+
+    * sparse: ``c' = c + X``, ``e' = max(e, c') + Y``, with ``X = B + t_s(D)`` and ``Y = t_c(D)``
+    * dense:  ``c' = c + B``, ``e' = max(e, c') + t_d(D)``
+
+    Both coordinates of an image grow with ``c`` and with ``e``; the rest of the
+    timeline is a composition of such maps. Hence a state that is no better than another
+    state of the same prefix in both coordinates has no completion better than the
+    other's, and it is enough to keep, for every prefix ``t``, the *Pareto front* of
+    non-dominated ``(c, e)`` pairs. The front at ``t`` is the Pareto front of the images
+    of all kept states of all prefixes ``s < t``; the optimum is the smallest ``e`` in
+    the front at ``L``. (A greedy that keeps one state per prefix is not exact: a state
+    with a later ``c`` but an earlier ``e`` can win later.)
+
+    **Vectorisation.** All live states are columns of one numpy array, stored in order
+    of their prefix ``s``. For a target ``t`` the images of every live state in both
+    modes are a dozen array operations; the front is extracted with one sort and one
+    running minimum.
+
+    **Pruning.** Nothing below removes a state that could still lead to a better plan,
+    so the search stays exact:
+
+    1. *Bound.* ``upper_bound`` is the ``e_m`` of a known plan (cheap heuristics; with a
+       dense cost also a beam search). Every completion of a state ``(c, e)`` at prefix
+       ``t`` needs, on the network, at least one more collective (``alpha_min``) plus the
+       bytes of the remaining elements (``k >= density * D``; elements sent dense cost
+       the dense bytes instead); on the compute stream, the remaining backward plus the
+       top-k of the elements that stay sparse (at least ``c1 * D + c2 * D * log2 D``
+       summed over single units, since ``D log D`` is superadditive; plus ``c0`` when
+       every group is sparse) plus a last collective. The final ``e_m`` is at least the
+       larger of the two; minimising it over how many elements go dense (a maximum of
+       two linear functions: an endpoint or the crossing) gives a lower bound, and
+       states whose bound exceeds ``upper_bound`` are not stored.
+    2. *Same prefix.* Let ``B`` be a state of the same prefix with a smaller ``c`` (in a
+       front it has a larger ``e``). Once ``e_B <= c'_A`` (``A``'s compute image for
+       the current target), ``B``'s image ``(c_B + X, max(e_B, c_B + X) + Y)`` is no
+       worse than ``A``'s ``(c_A + X, max(e_A, c_A + X) + Y)`` in both coordinates, and
+       ``c'_A`` only grows with later targets: ``A`` is dropped. (With a dense cost the
+       smaller dense ``c'`` is used, which covers both modes.)
+    3. *Later prefix.* Let ``B`` be a state of a later prefix than ``A``'s with
+       ``c'_B <= c'_A`` and ``e_B <= c'_A`` for the current target. ``B``'s group is
+       contained in ``A``'s, so its ``Y`` is no larger and its top-k term grows no faster
+       (``c2 * D log D`` is convex): both inequalities, and hence ``e'_B <= e'_A``,
+       hold for every later target, and ``A`` is dropped in that mode; a state is
+       removed when this holds in every mode it has. Two cheap searches find such
+       ``B``: any later compute-bound state (a running minimum), and the newest
+       prefix's front (a binary search).
+
+    Rules 2 and 3 run every few prefixes (they are permanent, so running them lazily
+    only keeps a few extra columns for a while).
+
+    **Budget.** In regimes where dense and sparse groups trade compute time against
+    network time closely, the fronts can still grow large. ``budget`` caps the number of
+    candidate states examined (a count, so every rank stops at the same point);
+    :func:`_search` then falls back to the best plan the bounded beam search and the
+    heuristics found, with a :class:`SearchBudgetWarning`.
+
+    **Fixed groups.** With ``boundaries`` given, only those prefixes are targets and only
+    the front of the previous boundary is a source: the same search then chooses only
+    the modes (:func:`best_modes`).
+    """
+
+    _PRUNE_EVERY = 8
+
+    def __init__(
+        self,
+        inst: Instance,
+        upper_bound: float = math.inf,
+        boundaries=None,
+        beam: Optional[int] = None,
+        budget: Optional[int] = None,
+    ):
+        self.inst = inst
+        self.beam = beam
+        self.budget = budget
+        L = inst.num_units
+        numel = np.fromiter((u.numel for u in inst.layers), dtype=np.float64, count=L)
+        backward = np.fromiter((u.backward_s for u in inst.layers), dtype=np.float64, count=L)
+        # prefix sums; element counts are exact in float64 below 2**53
+        self.numel_prefix = np.concatenate(([0.0], np.cumsum(numel)))
+        if self.numel_prefix[-1] >= 2.0**53:
+            raise InstanceError("layers", "the total numel must be below 2**53")
+        self.backward_prefix = np.concatenate(([0.0], np.cumsum(backward)))
+        self.tie = _RELATIVE_TIE * _time_scale(inst)
+        self.upper_bound = float(upper_bound)
+        if boundaries is None:
+            self.targets = range(1, L + 1)
+            self.fixed = False
+        else:
+            self.targets = [int(b) for b in boundaries]
+            self.fixed = True
+        self._prepare_bound(numel, backward)
+
+    # -- rule 1: the lower bound of every completion -----------------------------------
+
+    def _prepare_bound(self, numel, backward):
+        inst = self.inst
+
+        def suffix(x):  # suffix[t] = sum of x[t:], suffix[L] = 0
+            return np.concatenate((np.cumsum(x[::-1])[::-1], [0.0]))
+
+        c1, c2 = inst.topk.c1, inst.topk.c2
+        self.rest_numel = suffix(numel)
+        self.rest_backward = suffix(backward)
+        per_element_topk = c1 + c2 * np.log2(numel)
+        self.rest_topk = suffix(per_element_topk * numel)
+        # the most top-k time one element sent dense can save: at the largest unit left
+        largest_left = np.concatenate((np.maximum.accumulate(numel[::-1])[::-1], [1.0]))
+        self.topk_saving = c1 + c2 * np.log2(largest_left)
+        self.sparse_bytes_time = (
+            inst.comm.beta_s_per_byte * (inst.value_bytes + inst.index_bytes) * inst.density
+        )
+        if inst.dense is None:
+            self.alpha_min = inst.comm.alpha_s
+            self.extra_per_dense_element = None
+            self.last_topk = inst.topk.c0  # at least one more top-k call
+        else:
+            self.alpha_min = min(inst.comm.alpha_s, inst.dense.alpha_s)
+            self.extra_per_dense_element = (
+                inst.dense.beta_s_per_byte * inst.value_bytes - self.sparse_bytes_time
+            )
+            self.last_topk = 0.0
+
+    def lower_bound(self, t: int, c, e):
+        """Lower bound on the final ``e_m`` of any completion of states at prefix ``t``."""
+        if t == self.inst.num_units:
+            return e
+        rest_numel = self.rest_numel[t]
+        network = e + (self.alpha_min + self.sparse_bytes_time * rest_numel)
+        compute = c + (
+            self.rest_backward[t] + self.rest_topk[t] + self.last_topk + self.alpha_min
+        )
+        if self.extra_per_dense_element is None:
+            return np.maximum(network, compute)
+        # d elements sent dense: network + extra * d versus compute - saving * d
+        extra = self.extra_per_dense_element
+        saving = self.topk_saving[t]
+        bound = np.minimum(
+            np.maximum(network, compute),
+            np.maximum(network + extra * rest_numel, compute - saving * rest_numel),
+        )
+        if extra + saving > 0:
+            d = np.clip((compute - network) / (extra + saving), 0.0, rest_numel)
+            bound = np.minimum(bound, np.maximum(network + extra * d, compute - saving * d))
+        return bound
+
+    # -- the search -------------------------------------------------------------------
+
+    def solve(self) -> Optional[Tuple[Tuple[int, ...], Tuple[bool, ...]]]:
+        """Return (group end prefixes, dense flags) of an optimal plan.
+
+        Returns None when the search examined more than ``budget`` candidate states, or
+        (beam mode only) when no kept state beats ``upper_bound``.
+        """
+        inst = self.inst
+        # Python floats: scalar arithmetic on numpy scalars is several times slower
+        Dp = self.numel_prefix.tolist()
+        Bp = self.backward_prefix.tolist()
+        c0, c1, c2 = inst.topk.c0, inst.topk.c1, inst.topk.c2
+        alpha = inst.comm.alpha_s
+        beta_k = inst.comm.beta_s_per_byte * (inst.value_bytes + inst.index_bytes)
+        density = inst.density
+        # k = max(1, ceil(density * D)) needs the max only if some group can be that small
+        clamp_k = density * float(min(u.numel for u in inst.layers)) < 1.0
+        has_dense = inst.dense is not None
+        if has_dense:
+            alpha_d = inst.dense.alpha_s
+            beta_d = inst.dense.beta_s_per_byte * inst.value_bytes
+        tie = self.tie
+        limit = self.upper_bound + tie
+        # sparse-only bound (rule 1) folded into two thresholds per target
+        sparse_only = not has_dense
+        net_rest = self.alpha_min + self.sparse_bytes_time * self.rest_numel
+        cpu_rest = self.rest_backward + self.rest_topk + self.last_topk + self.alpha_min
+        net_rest[-1] = cpu_rest[-1] = 0.0
+        net_limit = (limit - net_rest).tolist()
+        cpu_limit = (limit - cpu_rest).tolist()
+        last_target = self.targets[-1]
+        beam = self.beam
+        budget = self.budget if self.budget is not None else math.inf
+
+        # Live states are the columns of `states`, kept in order of their prefix s:
+        #   GS = c - B(0..s) - c1 * D(0..s)   (so the sparse image is c' = GS + a(t))
+        #   E = e, DS = D(0..s)
+        #   GD = c - B(0..s)                  (dense image c' = GD + B(0..t); dense only)
+        # and `ids` holds their ids (for reconstructing the plan).
+        GS, E, DS, GD = range(4)
+        states = np.zeros((4, 64))
+        ids = np.zeros(64, np.int64)
+        live = 1  # the empty prefix: c = e = 0, id 0
+        # per target: the first id of its front, the parents' ids and the dense flags
+        first_ids = [0]
+        parents: List[np.ndarray] = [np.full(1, -1, np.int64)]
+        modes: List[Optional[np.ndarray]] = [None]
+        next_id = 1
+        since_prune = 0
+        examined = 0
+
+        for t in self.targets:
+            Dp_t, Bp_t = Dp[t], Bp[t]
+            rows = states[:, :live]
+            e = rows[E]
+            group_numel = Dp_t - rows[DS]
+            cs = rows[GS] + (Bp_t + c0 + c1 * Dp_t)
+            if c2:
+                cs += c2 * group_numel * np.log2(group_numel)
+            ys = np.ceil(density * group_numel)  # k(D), exactly as selected_k computes it
+            if clamp_k:
+                np.maximum(ys, 1.0, out=ys)
+            es = np.maximum(e, cs)
+            ys *= beta_k
+            es += ys
+            es += alpha
+            if has_dense:
+                cd = rows[GD] + Bp_t
+                ed = np.maximum(e, cd)
+                ed += alpha_d + beta_d * group_numel
+                cand_c = np.concatenate((cs, cd))
+                cand_e = np.concatenate((es, ed))
+            else:
+                cd = None
+                cand_c, cand_e = cs, es
+            size = cand_c.size
+            if size == 0:  # fixed groups: the previous boundary kept no state
+                if beam is not None:
+                    return None
+                raise RuntimeError("omgs_hook planner: no plan reaches the upper bound")
+            examined += size
+            if examined > budget:
+                return None
+
+            # rule 1 first: candidates that cannot beat the known plan (their images
+            # cannot either, the bound only grows along a plan) are not even sorted
+            if sparse_only:
+                viable = cand_e <= net_limit[t]
+                viable &= cand_c <= cpu_limit[t]
+            else:
+                viable = self.lower_bound(t, cand_c, cand_e) <= limit
+            if np.count_nonzero(viable) == size:  # (ndarray.all() is slower on tiny arrays)
+                pool = None
+            else:
+                pool = np.flatnonzero(viable)
+                cand_c, cand_e = cand_c[pool], cand_e[pool]
+                size = pool.size
+
+            # Pareto front: sort by c (stable, so earlier candidates win ties) and keep a
+            # state when its e is clearly below the e of every state before it
+            if size > 1:
+                order = cand_c.argsort(kind="stable")
+                e_sorted = cand_e[order]
+                keep = np.empty(size, dtype=bool)
+                keep[0] = True
+                np.less(e_sorted[1:], np.minimum.accumulate(e_sorted)[:-1] - tie, out=keep[1:])
+                chosen = order[keep]
+                new_e = e_sorted[keep]
+                new_c = cand_c[chosen]
+                if chosen.size > 1:
+                    # c equal up to rounding: keep only the later one (smaller e)
+                    distinct = np.empty(chosen.size, dtype=bool)
+                    distinct[-1] = True
+                    np.greater(new_c[1:] - new_c[:-1], tie, out=distinct[:-1])
+                    if np.count_nonzero(distinct) < chosen.size:
+                        chosen, new_c, new_e = chosen[distinct], new_c[distinct], new_e[distinct]
+            else:
+                chosen = np.zeros(size, np.int64)
+                new_c, new_e = cand_c, cand_e
+            if pool is not None:
+                chosen = pool[chosen]  # back to candidate numbers
+            if beam is not None and chosen.size > beam:
+                # heuristic mode: keep the most promising states, still sorted by c
+                bound = self.lower_bound(t, new_c, new_e)
+                best = np.sort(bound.argsort(kind="stable")[:beam])
+                chosen, new_c, new_e = chosen[best], new_c[best], new_e[best]
+            count = chosen.size
+            first_ids.append(next_id)
+            if has_dense:
+                is_dense = chosen >= live
+                parents.append(ids[chosen - live * is_dense])
+                modes.append(is_dense)
+            else:
+                parents.append(ids[chosen])
+                modes.append(None)
+            if t == last_target:
+                if count == 0:
+                    if beam is not None:
+                        return None  # the beam dropped every state that beats the bound
+                    # impossible in the exact search: upper_bound is an actual plan's time
+                    raise RuntimeError("omgs_hook planner: no plan reaches the upper bound")
+                final_id = next_id + int(np.argmin(new_e))  # first minimum wins ties
+                break
+
+            if self.fixed:
+                live = 0  # only the newest front is a source for the next boundary
+            else:
+                since_prune += 1
+                if since_prune == self._PRUNE_EVERY:
+                    since_prune = 0
+                    live = self._prune(states, ids, live, cs, cd)
+            if count == 0:  # every state of this prefix is beyond the bound
+                continue
+            end = live + count
+            if end > ids.size:
+                grown = np.zeros((4, 2 * end))
+                grown[:, :live] = states[:, :live]
+                states = grown
+                ids = np.concatenate((ids[:live], np.zeros(2 * end - live, np.int64)))
+            np.subtract(new_c, Bp_t + c1 * Dp_t, out=states[GS, live:end])
+            states[E, live:end] = new_e
+            states[DS, live:end] = Dp_t
+            if has_dense:
+                np.subtract(new_c, Bp_t, out=states[GD, live:end])
+            ids[live:end] = np.arange(next_id, next_id + count)
+            next_id += count
+            live = end
+
+        return self._reconstruct(final_id, first_ids, self.targets, parents, modes)
+
+    def _prune(self, states, ids, live, cs, cd):
+        """Rules 2 and 3 for the current target; compacts the columns, returns the count.
+
+        ``cs``/``cd`` are the sparse/dense compute images ``c'`` of the live states for
+        the current target.
+        """
+        e, prefix_numel = states[1, :live], states[2, :live]
+        images = cs if cd is None else cd  # the dense c' is the smaller one
+        # columns are in prefix order, so the newest prefix's front is the last block
+        newest = int(np.searchsorted(prefix_numel, prefix_numel[-1]))
+        # rule 2: a state with smaller c of the same prefix (the column before, if it has
+        # the same prefix) dominates this one's image as soon as its e <= this one's c'
+        keep = np.ones(live, dtype=bool)
+        np.logical_or(
+            prefix_numel[1:] != prefix_numel[:-1], e[:-1] > images[1:], out=keep[1:]
+        )
+        # rule 3: a state B of a later prefix with c'_B <= c'_A and e_B <= c'_A
+        dropped = _dominated_by_later(cs, e, newest)
+        if cd is not None:
+            dropped &= _dominated_by_later(cd, e, newest)
+        keep &= ~dropped
+        kept = int(np.count_nonzero(keep))
+        if kept < live:
+            states[:, :kept] = states[:, :live][:, keep]
+            ids[:kept] = ids[:live][keep]
+        return kept
+
+    @staticmethod
+    def _reconstruct(final_id, first_ids, targets, parents, modes):
+        parent = np.concatenate(parents)
+        dense = np.concatenate(
+            [np.zeros(p.size, bool) if m is None else m for p, m in zip(parents, modes)]
+        )
+        # first_ids[i + 1] is the first id created for targets[i]
+        prefix_starts = np.asarray(first_ids[1:], dtype=np.int64)
+        bounds = []
+        flags = []
+        state = final_id
+        while state > 0:
+            target_index = int(np.searchsorted(prefix_starts, state, side="right")) - 1
+            bounds.append(int(targets[target_index]))
+            flags.append(bool(dense[state]))
+            state = int(parent[state])
+        return tuple(reversed(bounds)), tuple(reversed(flags))
+
+
+def _dominated_by_later(images, e, newest):
+    """States whose image is dominated, now and for every later target, by the image of a
+    state of a later prefix (rule 3): some B with ``c'_B <= c'_A`` and ``e_B <= c'_A``.
+
+    Two cheap sufficient searches for such a B (columns are in prefix order):
+
+    * among compute-bound states (``e_B <= c'_B``), any later one with ``c'_B <= c'_A``
+      (a running minimum from the right);
+    * among the newest prefix's front (sorted by c, so ``c'`` ascends and ``e``
+      descends), the state with the largest ``c'_B <= c'_A`` has the smallest ``e_B``.
+    """
+    size = images.size
+    later_min = np.where(e <= images, images, np.inf)
+    later_min = np.minimum.accumulate(later_min[::-1])[::-1]
+    dropped = np.zeros(size, dtype=bool)
+    # a compute-bound B at or after A's column: it must be at a later prefix, since the
+    # states after A in its own prefix have larger c
+    np.less_equal(later_min[1:], images[:-1], out=dropped[:-1])
+    if 0 < newest < size:
+        older = images[:newest]
+        front = images[newest:]
+        best = np.searchsorted(front, older, side="right") - 1
+        has = best >= 0
+        best = best[has]
+        dropped[:newest][has] |= (e[newest:][best] <= older[has]) & (front[best] <= older[has])
+    return dropped

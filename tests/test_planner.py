@@ -1,0 +1,444 @@
+"""Tests for omgs_hook.planner: exactness against brute force, every strategy's rule,
+determinism, the dense option and error handling.
+
+The brute force and the re-simulation below are written independently of
+omgs_hook.cost_model / omgs_hook.planner (their own formulas, vectorised with numpy).
+"""
+
+import dataclasses
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from omgs_hook import planner
+from omgs_hook.cost_model import Instance, InstanceError, LinearCost, TopkCost, Unit
+from omgs_hook.planner import (
+    Plan,
+    SearchBudgetWarning,
+    best_modes,
+    evaluate,
+    greedy_groups,
+    make_plan,
+    parse_strategy,
+    threshold_groups,
+)
+
+REL = 1e-9  # agreement required between the planner and the independent code
+
+# ----------------------------------------------------------------------- independent code
+
+
+def _log_uniform(rng, low, high):
+    return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+
+def random_instance(rng, num_units, dense):
+    """Wide-ranging instances: tiny bias vectors to 2e7-element layers, alpha 1e-5..2e-2."""
+    layers = []
+    speed = _log_uniform(rng, 1e-11, 1e-8)  # backward seconds per element
+    for _ in range(num_units):
+        numel = int(_log_uniform(rng, 1, 2e7))
+        backward = 0.0 if rng.random() < 0.05 else numel * speed * rng.uniform(0.3, 3.0) + 1e-6
+        layers.append(Unit(numel, backward))
+    c2 = 0.0 if rng.random() < 0.5 else _log_uniform(rng, 1e-15, 1e-10)
+    return Instance(
+        layers=tuple(layers),
+        world_size=int(rng.choice([2, 4, 16, 64])),
+        density=float(rng.choice([1e-3, 1e-2, 0.1, 1.0])),
+        forward_s=float(rng.uniform(0.0, 0.05)),
+        comm=LinearCost(_log_uniform(rng, 1e-5, 2e-2), _log_uniform(rng, 1e-11, 1e-8)),
+        topk=TopkCost(_log_uniform(rng, 1e-6, 1e-3), _log_uniform(rng, 1e-12, 1e-8), c2),
+        value_bytes=4 if rng.random() < 0.8 else 2,
+        index_bytes=4,
+        dense=(
+            LinearCost(_log_uniform(rng, 1e-5, 2e-2), _log_uniform(rng, 1e-12, 1e-8))
+            if dense
+            else None
+        ),
+    )
+
+
+def _arrays(inst):
+    numel = np.array([u.numel for u in inst.layers], dtype=np.float64)
+    backward = np.array([u.backward_s for u in inst.layers], dtype=np.float64)
+    return numel, backward
+
+
+def vector_timeline(inst, group_end, dense_flag):
+    """Final network time e_m for many plans at once.
+
+    group_end[p, u] is True when plan p closes a group after unit u (always true for the
+    last unit); dense_flag[p, u] is the mode of that group (read where group_end is True).
+    """
+    numel, backward = _arrays(inst)
+    plans = group_end.shape[0]
+    c = np.zeros(plans)
+    e = np.zeros(plans)
+    d = np.zeros(plans)
+    b = np.zeros(plans)
+    t = inst.topk
+    entry_bytes = inst.value_bytes + inst.index_bytes
+    for u in range(inst.num_units):
+        d = d + numel[u]
+        b = b + backward[u]
+        topk = t.c0 + t.c1 * d + t.c2 * d * np.log2(d)
+        k = np.maximum(1.0, np.ceil(inst.density * d))
+        sparse_comm = inst.comm.alpha_s + inst.comm.beta_s_per_byte * entry_bytes * k
+        c_sparse = c + b + topk
+        e_sparse = np.maximum(e, c_sparse) + sparse_comm
+        if inst.dense is not None:
+            dense_comm = inst.dense.alpha_s + inst.dense.beta_s_per_byte * inst.value_bytes * d
+            c_dense = c + b
+            e_dense = np.maximum(e, c_dense) + dense_comm
+            use_dense = dense_flag[:, u]
+            c_closed = np.where(use_dense, c_dense, c_sparse)
+            e_closed = np.where(use_dense, e_dense, e_sparse)
+        else:
+            c_closed, e_closed = c_sparse, e_sparse
+        end = group_end[:, u]
+        c = np.where(end, c_closed, c)
+        e = np.where(end, e_closed, e)
+        d = np.where(end, 0.0, d)
+        b = np.where(end, 0.0, b)
+    return e
+
+
+def resimulate(inst, groups, dense):
+    """Independent predicted_iteration_s of one plan."""
+    L = inst.num_units
+    group_end = np.zeros((1, L), dtype=bool)
+    dense_flag = np.zeros((1, L), dtype=bool)
+    for group, flag in zip(groups, dense):
+        group_end[0, group[-1]] = True
+        dense_flag[0, group[-1]] = flag
+    return inst.forward_s + float(vector_timeline(inst, group_end, dense_flag)[0])
+
+
+def brute_force(inst, fixed_groups=None):
+    """Minimum predicted_iteration_s over every partition (and every mode choice)."""
+    L = inst.num_units
+    if fixed_groups is not None:
+        ends = [g[-1] for g in fixed_groups]
+        modes = np.arange(2 ** len(ends))
+        group_end = np.zeros((modes.size, L), dtype=bool)
+        dense_flag = np.zeros((modes.size, L), dtype=bool)
+        for j, u in enumerate(ends):
+            group_end[:, u] = True
+            dense_flag[:, u] = (modes >> j) & 1
+    elif inst.dense is None:
+        cuts = np.arange(2 ** (L - 1))
+        group_end = np.ones((cuts.size, L), dtype=bool)
+        for u in range(L - 1):
+            group_end[:, u] = (cuts >> u) & 1
+        dense_flag = np.zeros_like(group_end)
+    else:
+        # per boundary: 0 = no cut, 1 = cut a sparse group, 2 = cut a dense group;
+        # times 2 for the mode of the last group
+        count = 2 * 3 ** (L - 1)
+        code = np.arange(count)
+        group_end = np.ones((count, L), dtype=bool)
+        dense_flag = np.zeros((count, L), dtype=bool)
+        for u in range(L - 1):
+            digit = (code // 3**u) % 3
+            group_end[:, u] = digit != 0
+            dense_flag[:, u] = digit == 2
+        dense_flag[:, L - 1] = code // 3 ** (L - 1) == 1
+    return inst.forward_s + float(vector_timeline(inst, group_end, dense_flag).min())
+
+
+def all_strategies(inst, rng):
+    threshold = int(_log_uniform(rng, 1, 4 * sum(u.numel for u in inst.layers)))
+    return ["optimal", "greedy", "layerwise", "single", f"threshold:{threshold}"]
+
+
+# ----------------------------------------------------------------------- exactness
+
+
+def _check_instance(inst, rng):
+    plans = {s: make_plan(inst, s) for s in all_strategies(inst, rng)}
+    optimal = plans["optimal"]
+    truth = brute_force(inst)
+    assert optimal.predicted_iteration_s == pytest.approx(truth, rel=REL)
+    for strategy, plan in plans.items():
+        assert plan.strategy == strategy
+        # the reported time is the plan's own time
+        assert plan.predicted_iteration_s == pytest.approx(
+            resimulate(inst, plan.groups, plan.dense), rel=REL
+        ), strategy
+        assert plan.non_overlapped_s == pytest.approx(
+            plan.predicted_iteration_s - inst.forward_s - sum(u.backward_s for u in inst.layers),
+            rel=1e-9,
+            abs=1e-15,
+        )
+        assert optimal.predicted_iteration_s <= plan.predicted_iteration_s * (1 + 1e-12)
+        if inst.dense is None:
+            assert not any(plan.dense)
+    return plans
+
+
+@pytest.fixture(params=[1, None], ids=["prune-every-target", "default-pruning"])
+def pruning(request, monkeypatch):
+    """Run the exact search with its pruning rules applied at every target (so that small
+    instances exercise them) and with the default schedule."""
+    if request.param is not None:
+        monkeypatch.setattr(planner._FrontierSearch, "_PRUNE_EVERY", request.param)
+    return request.param
+
+
+def test_optimal_equals_brute_force_sparse(pruning):
+    rng = np.random.default_rng(20240101)
+    greedy_worse = 0
+    for i in range(300):
+        inst = random_instance(rng, int(rng.integers(1, 13)), dense=False)
+        plans = _check_instance(inst, rng)
+        if plans["greedy"].predicted_iteration_s > plans["optimal"].predicted_iteration_s * (
+            1 + 1e-9
+        ):
+            greedy_worse += 1
+    # the comparison can tell strategies apart: the paper's greedy is not exact
+    assert greedy_worse >= 10
+
+
+def test_optimal_equals_brute_force_with_dense(pruning):
+    rng = np.random.default_rng(7)
+    dense_used = 0
+    for i in range(160):
+        num_units = int(rng.integers(1, 10)) if i < 150 else int(rng.integers(11, 13))
+        inst = random_instance(rng, num_units, dense=True)
+        plans = _check_instance(inst, rng)
+        dense_used += any(plans["optimal"].dense)
+        # the modes chosen for fixed groups are the best for those groups
+        for strategy in ("greedy", "layerwise"):
+            plan = plans[strategy]
+            if len(plan.groups) <= 10:
+                assert plan.predicted_iteration_s == pytest.approx(
+                    brute_force(inst, fixed_groups=plan.groups), rel=REL
+                )
+    assert 20 <= dense_used < 160  # both modes occur
+
+
+@pytest.mark.filterwarnings("ignore::omgs_hook.planner.SearchBudgetWarning")
+def test_large_instance_consistency():
+    rng = np.random.default_rng(3)
+    for dense in (False, True):
+        inst = random_instance(rng, 400, dense=dense)
+        plans = {s: make_plan(inst, s) for s in ("optimal", "greedy", "layerwise", "single")}
+        for plan in plans.values():
+            assert plan.predicted_iteration_s == pytest.approx(
+                resimulate(inst, plan.groups, plan.dense), rel=REL
+            )
+            assert plans["optimal"].predicted_iteration_s <= plan.predicted_iteration_s * (
+                1 + 1e-12
+            )
+
+
+def test_degenerate_all_zero_costs():
+    inst = Instance(
+        layers=(Unit(5, 0.0), Unit(7, 0.0), Unit(1, 0.0)),
+        world_size=2,
+        density=1.0,
+        forward_s=0.0,
+        comm=LinearCost(0.0, 0.0),
+        topk=TopkCost(0.0, 0.0, 0.0),
+        dense=LinearCost(0.0, 0.0),
+    )
+    plan = make_plan(inst)
+    assert plan.predicted_iteration_s == 0.0
+    assert [u for g in plan.groups for u in g] == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------- strategies
+
+
+def _instance(units, **kw):
+    base = dict(
+        world_size=2,
+        density=1.0,
+        forward_s=0.0,
+        comm=LinearCost(0.01, 0.0),
+        topk=TopkCost(0.0, 0.0, 0.0),
+    )
+    base.update(kw)
+    return Instance(layers=tuple(Unit(n, b) for n, b in units), **base)
+
+
+def test_greedy_merges_when_one_collective_fewer_saves_more_than_the_wait():
+    inst = _instance([(10, 0.0), (10, 0.001)], comm=LinearCost(1.0, 0.0))
+    assert greedy_groups(inst) == ((0, 1),)
+
+
+def test_greedy_splits_when_the_wait_is_longer_than_alpha():
+    inst = _instance([(10, 0.0), (10, 1.0)], comm=LinearCost(1e-3, 0.0))
+    assert greedy_groups(inst) == ((0,), (1,))
+
+
+def test_greedy_discounts_the_time_a_group_would_queue_anyway():
+    # unit 0's collective keeps the network busy for ~1 s; group [1] would wait for it,
+    # so merging unit 2 (0.5 s of backward) costs nothing extra and saves alpha
+    beta = 1.0 / (8 * 1000)
+    units = [(1000, 0.0), (1, 0.1), (1, 0.5)]
+    busy = _instance(units, comm=LinearCost(0.01, beta))
+    assert greedy_groups(busy) == ((0,), (1, 2))
+    # same units with an idle network: the 0.5 s wait is not worth 0.01 s of alpha
+    idle = _instance(units, comm=LinearCost(0.01, 0.0))
+    assert greedy_groups(idle) == ((0,), (1,), (2,))
+
+
+def test_greedy_counts_the_extra_topk_cost_of_the_merged_size():
+    # merging doubles a group whose top-k is superlinear: c2 * D log D grows by more than
+    # the alpha saved, so the units stay apart
+    units = [(1 << 20, 0.0), (1 << 20, 0.0)]
+    cheap = _instance(units, comm=LinearCost(0.01, 0.0), topk=TopkCost(0.0, 0.0, 0.0))
+    assert greedy_groups(cheap) == ((0, 1),)
+    costly = _instance(units, comm=LinearCost(0.01, 0.0), topk=TopkCost(0.0, 0.0, 1e-6))
+    assert greedy_groups(costly) == ((0,), (1,))
+
+
+def test_layerwise_single_and_threshold_groupings():
+    inst = _instance([(10, 0.1)] * 4, value_bytes=4)
+    assert make_plan(inst, "layerwise").groups == ((0,), (1,), (2,), (3,))
+    assert make_plan(inst, "single").groups == ((0, 1, 2, 3),)
+    assert threshold_groups(inst, 80) == ((0, 1), (2, 3))  # 40 bytes per unit
+    assert threshold_groups(inst, 81) == ((0, 1, 2), (3,))  # the last group may be smaller
+    assert threshold_groups(inst, 1) == ((0,), (1,), (2,), (3,))
+    assert make_plan(inst, "threshold:1000000").groups == ((0, 1, 2, 3),)
+    assert make_plan(_instance([(10, 0.1)] * 4, value_bytes=2), "threshold:80").groups == (
+        (0, 1, 2, 3),
+    )
+    with pytest.raises(ValueError, match="positive integer"):
+        threshold_groups(inst, 0)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("optimal", "optimal"),
+        (" Greedy ", "greedy"),
+        ("LAYERWISE", "layerwise"),
+        ("single", "single"),
+        ("threshold:25000000", "threshold:25000000"),
+        ("threshold: 2.5e7", "threshold:25000000"),
+    ],
+)
+def test_parse_strategy_normalises(text, expected):
+    assert parse_strategy(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["fastest", "", "threshold:", "threshold:0", "threshold:-5", "threshold:1.5",
+             "threshold:abc", "threshold:inf", None, 3]
+)
+def test_parse_strategy_rejects_unknown_names(text):
+    with pytest.raises(ValueError) as caught:
+        parse_strategy(text)
+    message = str(caught.value)
+    assert "threshold:BYTES" in message or "positive integer" in message
+    with pytest.raises(ValueError):
+        make_plan(_instance([(10, 0.1)]), text)
+
+
+# ----------------------------------------------------------------------- dense option
+
+
+def test_dense_absent_gives_the_sparse_model_exactly():
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        sparse = random_instance(rng, int(rng.integers(1, 9)), dense=False)
+        # a dense cost so high that it never pays
+        never = dataclasses.replace(sparse, dense=LinearCost(1e6, 1.0))
+        for strategy in ("optimal", "greedy", "layerwise", "single"):
+            a, b = make_plan(sparse, strategy), make_plan(never, strategy)
+            assert a.groups == b.groups
+            assert a.dense == b.dense == (False,) * len(a.groups)
+            assert a.predicted_iteration_s == b.predicted_iteration_s
+
+
+def test_dense_is_chosen_where_it_is_cheaper():
+    # top-k is slow and the all-reduce cheap: every group goes dense
+    inst = _instance(
+        [(1000, 0.01)] * 3,
+        density=0.01,
+        topk=TopkCost(0.1, 0.0, 0.0),
+        dense=LinearCost(0.001, 0.0),
+    )
+    plan = make_plan(inst)
+    assert all(plan.dense)
+    assert plan.predicted_iteration_s == pytest.approx(brute_force(inst), rel=REL)
+    assert best_modes(inst, [[0], [1], [2]]) == (True, True, True)
+    assert best_modes(_instance([(1000, 0.01)] * 3), [[0, 1], [2]]) == (False, False)
+
+
+# ----------------------------------------------------------------------- evaluate, Plan
+
+
+def test_evaluate_matches_the_plan_and_validates_groups():
+    rng = np.random.default_rng(5)
+    inst = random_instance(rng, 8, dense=True)
+    plan = make_plan(inst)
+    again = evaluate(inst, [list(g) for g in plan.groups], list(plan.dense))
+    assert again.strategy == "fixed"
+    assert dataclasses.replace(again, strategy="optimal") == plan
+    chosen = evaluate(inst, plan.groups, strategy="mine")  # modes chosen by the planner
+    assert chosen.strategy == "mine"
+    assert chosen.predicted_iteration_s == pytest.approx(plan.predicted_iteration_s, rel=REL)
+    with pytest.raises(InstanceError) as caught:
+        evaluate(inst, [[0, 1], [3, 2], [4, 5, 6, 7]])
+    assert caught.value.field == "groups[1]"
+    with pytest.raises(InstanceError):
+        evaluate(inst, plan.groups, dense=[True])
+    with pytest.raises(TypeError):
+        evaluate(inst.to_dict(), plan.groups)
+    with pytest.raises(TypeError):
+        make_plan(inst.to_dict())
+
+
+def test_plan_to_dict():
+    plan = Plan("optimal", ((0, 1), (2,)), (False, True), 1.5, 0.25)
+    assert plan.num_groups == 2
+    assert plan.to_dict() == {
+        "strategy": "optimal",
+        "groups": [[0, 1], [2]],
+        "dense": [False, True],
+        "predicted_iteration_s": 1.5,
+        "non_overlapped_s": 0.25,
+    }
+    assert "dense" not in plan.to_dict(include_dense=False)
+
+
+# ----------------------------------------------------------------------- determinism
+
+
+def test_plans_are_deterministic_and_break_ties_the_same_way():
+    # identical units: many partitions tie; the plan must not depend on anything but input
+    tie = _instance([(1000, 1e-3)] * 10, density=0.01, comm=LinearCost(1e-3, 1e-9))
+    first = make_plan(tie)
+    for _ in range(3):
+        assert make_plan(tie) == first
+        assert make_plan(Instance.from_dict(tie.to_dict())) == first
+    rng = np.random.default_rng(9)
+    inst = random_instance(rng, 200, dense=True)
+    assert make_plan(inst) == make_plan(Instance.from_dict(inst.to_dict()))
+
+
+# ----------------------------------------------------------------------- search budget
+
+
+def test_search_budget_falls_back_with_a_warning(monkeypatch):
+    rng = np.random.default_rng(2)
+    inst = random_instance(rng, 60, dense=False)
+    exact = make_plan(inst)
+    monkeypatch.setattr(planner, "SEARCH_BUDGET", 50)
+    with pytest.warns(SearchBudgetWarning, match="not proven optimal"):
+        fallback = make_plan(inst)
+    assert fallback.predicted_iteration_s == pytest.approx(
+        resimulate(inst, fallback.groups, fallback.dense), rel=REL
+    )
+    assert exact.predicted_iteration_s <= fallback.predicted_iteration_s * (1 + 1e-12)
+    assert fallback.predicted_iteration_s <= make_plan(inst, "greedy").predicted_iteration_s
+    # with the normal budget no warning is raised
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SearchBudgetWarning)
+        assert make_plan(inst) == exact
