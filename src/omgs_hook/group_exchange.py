@@ -12,13 +12,13 @@ Any exception - in a collective or in the local work - is routed to every bucket
 future still pending, so ``backward()`` raises instead of hanging.
 """
 
-import math
 import threading
 import time
 
 import torch
 
 from . import communicator
+from .cost_model import selected_k
 
 
 class GroupRecord:
@@ -157,7 +157,7 @@ class StepExchange:
                 "with smaller groups (e.g. strategy='threshold:...')"
             )
         acc = self._assemble(keys, residuals, numel)
-        k = max(1, math.ceil(self.density * numel))
+        k = selected_k(numel, self.density)  # the planner's own k, bit for bit
         # A non-finite input must not reach the residual nor the selector: flag it and
         # send a harmless payload; every rank then treats the step as non-finite.
         nonfinite = not bool(torch.isfinite(acc.sum()))
