@@ -1,0 +1,1179 @@
+#!/usr/bin/env python
+"""OMGS-SGD against its peers on an emulated slow-network cluster: iteration time per hook.
+
+What is compared (one DDP model per variant, all built from the same initial weights)::
+
+    compute    the allreduce variant's model inside DDP's ``no_sync()``: forward,
+               backward and optimiser step with no communication at all (a reference
+               row: what an infinitely fast network would give)
+    allreduce  DDP's built-in dense all-reduce, DDP's default buckets (25 MiB)
+    powersgd   PyTorch's powerSGD_hook (rank --powersgd-rank, error feedback), all
+               gradients in ONE bucket - the configuration scripts/train.py documents:
+               the stock hook waits on a collective inside a future callback, which
+               deadlocks gloo as soon as a second bucket is in flight
+    topk       omgs_hook strategy "single"    - TopK-SGD, one group of all gradients
+    lags       omgs_hook strategy "layerwise" - LAGS-SGD, one group per DDP bucket
+    omgs       omgs_hook strategy "optimal"   - OMGS-SGD, groups chosen by the planner
+
+The three sparse variants share the same DDP buckets (``--sparse-bucket-cap-mb``, 0 =
+one parameter tensor per bucket, the units the original OMGS/LAGS code works with), the
+same density, top-k backend and error feedback; they differ only in how buckets are
+merged into groups. Every group is sparse, as the three algorithms are published; with
+``--allow-dense`` the hook's extension may send groups as dense all-reduces where its
+cost model finds that cheaper (result files then end in ``_dense``).
+
+How one configuration (model, N ranks, link rate, density) is measured:
+
+1. An emulated cluster (``scripts/netem_cluster.py``) of N network namespaces behind a
+   switch whose links are shaped to the rate is built once.
+2. ``scripts/profile.py`` (``omgs-profile``) runs inside it: the packed all-gather,
+   the all-reduce and the CPU top-k are timed on the same links and cores, so the
+   planner plans - and predicts - with this cluster's measured alpha, beta and top-k
+   cost. Message and top-k sizes are chosen to span what this model sends.
+3. One launch of this script per rank (``--worker``) builds every variant, runs each
+   through its warm-up (DDP's first two iterations, the hooks' dense warm-up steps, and
+   a few steps on the final plan), then times ``--rounds`` rounds; in each round every
+   variant runs ``--steps`` steps back to back, and the order of variants rotates from
+   round to round, so slow drifts of the machine (other load, thermal) hit all variants
+   alike.
+4. Every step is timed on every rank (forward, backward incl. waiting for the
+   gradients, optimiser step); after each block the per-step times are all-reduced with
+   MAX, because a synchronous step is as slow as its slowest rank. The sparse hooks'
+   top-k time is measured by wrapping their selector and reported separately
+   (``topk_s``), as is all the work the hook does on the autograd thread (``hook_s``:
+   top-k plus assembling, checking and packing each group) and the optimiser step,
+   which the planner's model does not contain.
+
+Fairness rules: ``broadcast_buffers`` is off for every variant (it would add one
+collective per forward for BatchNorm buffers); one thread per rank; identical
+synthetic CIFAR-shaped data (3x32x32, random labels - timing only) per rank for all
+variants; DDP's initial parameter broadcast is skipped (``init_sync=False``) because
+every rank builds identical weights from the same seed.
+
+Outputs: one JSON file per configuration under ``--results-dir``
+(``bench_<model>_n<N>_d<density>.json``: every slowest-rank step time, medians, spread,
+predictions, plans, the profile used, load averages; the full profile file beside it as
+``profile_<model>_n<N>_d<density>.json``), and - from all JSON files found
+there - the generated section of ``--doc`` (a Markdown table per configuration and the
+targets) and a bar plot ``--plot``. Text in ``--doc`` outside the generated markers
+is kept, so the analysis written around the tables survives re-runs.
+
+Usage (needs root, ``ip`` and ``tc``; see docs/emulated-cluster.md)::
+
+    python scripts/bench_cluster.py                         # full run, ~15 min
+    python scripts/bench_cluster.py --models resnet20 --nodes 4 --densities 0.001,0.01
+    python scripts/bench_cluster.py --report-only           # re-render doc + plot
+    python scripts/bench_cluster.py --quick --results-dir /tmp/r --doc /tmp/b.md \
+        --plot /tmp/b.png                                   # smoke run, < 1 min
+
+Link rates (``default_rate``) give every configuration a communication/computation
+ratio of about 4 for dense all-reduce, as GPUs on 1 GbE have (docs/emulated-cluster.md):
+ResNet-20 uses netem_cluster's ``RECOMMENDED_RATES``, derived for this very model;
+VGG-16 uses :data:`VGG16_RATES`, derived below for the model benchmarked here.
+``--rate MODEL:N=RATE`` overrides one configuration. ``--wait-load X`` waits
+(up to ``--wait-load-max-s``) for the 1-minute load average to fall below X before each
+configuration, because other processes on a small machine distort every timing.
+"""
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+# scripts/ holds profile.py, which would shadow the standard library's `profile` (torch
+# imports it through cProfile) if this folder stayed first on sys.path. Keep the folder
+# importable for netem_cluster, but behind the standard library.
+_SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _SCRIPT_DIR]
+sys.path.append(_SCRIPT_DIR)
+
+REPO_ROOT = os.path.dirname(_SCRIPT_DIR)
+PROFILE_SCRIPT = os.path.join(_SCRIPT_DIR, "profile.py")
+
+HOOKS = ("allreduce", "powersgd", "topk", "lags", "omgs")
+REFERENCE = "compute"
+VARIANTS = (REFERENCE,) + HOOKS
+SPARSE_STRATEGIES = {"topk": "single", "lags": "layerwise", "omgs": "optimal"}
+MODELS = ("resnet20", "vgg16")
+HOOK_LABELS = {
+    "compute": "compute only (no communication)",
+    "allreduce": "allreduce (DDP default)",
+    "powersgd": "PowerSGD",
+    "topk": "TopK-SGD (single group)",
+    "lags": "LAGS-SGD (layer-wise)",
+    "omgs": "OMGS-SGD (optimal merge)",
+}
+# netem_cluster.RECOMMENDED_RATES for vgg16 were derived for a 23M-parameter VGG-style
+# model computing 0.293 s (2 ranks) / 0.618 s (4 ranks) per step. The vgg16 benchmarked
+# here (full VGG-16 convolution stack, fc_width 2048: 20.0M parameters, 80 MB of
+# gradient) computes ~0.65 s per step with 2 ranks and ~1.3 s with 4 ranks sharing the
+# 2 cores (measured, batch 32, one thread per rank). Ratio 4 then needs the bytes a
+# ring all-reduce moves per rank, 2 (N-1)/N x 80 MB, to take 4 x compute:
+#   N=2: 640 Mbit / (4 x 0.65 s) = 246 Mbit/s;  N=4: 960 Mbit / (4 x 1.3 s) = 185 Mbit/s
+# (the same formula gives 15.6 and 11.5 Mbit/s for ResNet-20, whose measured derivation
+# chose 20 and 14: it runs ~20% lower, which is within the spread of this estimate).
+VGG16_RATES = {2: "240mbit", 4: "185mbit"}
+# DDP's first two iterations (one bucket, then the rebuild) are set-up, never timed.
+DDP_SETUP_STEPS = 2
+# Steps run on the final plan before timing starts (the plan is adopted at the end of
+# the warm-up step that made it; the first sparse step also sizes scratch buffers).
+SETTLE_STEPS = 1
+SYNTHETIC_BATCHES = 4
+RESULT_PREFIX = "bench_"
+GENERATED_BEGIN = "<!-- BEGIN GENERATED by scripts/bench_cluster.py: do not edit by hand -->"
+GENERATED_END = "<!-- END GENERATED -->"
+# Targets of the issue (reported, never tuned for).
+TARGET_SPEEDUP_VS_SPARSE = 1.3
+TARGET_SPEEDUP_VS_ALLREDUCE = 2.0
+TARGET_PREDICTION_ERROR = 0.15
+
+
+# =====================================================================================
+# command line
+# =====================================================================================
+
+
+def _csv(kind, choices=None):
+    def parse(text):
+        items = [part.strip() for part in text.split(",") if part.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty {kind} list")
+        if choices is not None:
+            bad = [item for item in items if item not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {kind} {', '.join(bad)}; valid choices: {', '.join(choices)}")
+        return list(dict.fromkeys(items))  # keep order, drop repeats
+    return parse
+
+
+def _node_counts(text):
+    counts = []
+    for part in _csv("node count")(text):
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"node count {part!r} is not an integer") from None
+        if value < 2:
+            raise argparse.ArgumentTypeError(f"node count must be >= 2, got {value}")
+        counts.append(value)
+    return counts
+
+
+def _densities(text):
+    values = []
+    for part in _csv("density")(text):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"density {part!r} is not a number") from None
+        if not 0.0 < value < 1.0:
+            raise argparse.ArgumentTypeError(
+                f"density must be in (0, 1) (1.0 would make every hook a dense all-reduce), "
+                f"got {value}")
+        values.append(value)
+    return values
+
+
+def _rate_override(text):
+    """``MODEL:N=RATE`` -> ((model, n), rate)."""
+    try:
+        key, rate = text.split("=", 1)
+        model, nodes = key.split(":", 1)
+        nodes = int(nodes)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--rate {text!r}: expected MODEL:N=RATE, e.g. vgg16:4=485mbit") from None
+    if model not in MODELS:
+        raise argparse.ArgumentTypeError(
+            f"--rate {text!r}: unknown model {model!r}; valid choices: {', '.join(MODELS)}")
+    return (model, nodes), rate.strip()
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def _non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description="Iteration time of allreduce, PowerSGD, TopK-SGD, LAGS-SGD and OMGS-SGD on "
+                    "an emulated slow-network cluster (see the module docstring).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--models", type=_csv("model", MODELS), default=list(MODELS))
+    add("--nodes", type=_node_counts, default=[2, 4], help="cluster sizes N, comma separated")
+    add("--densities", type=_densities, default=[0.001],
+        help="sparse densities, comma separated (each is one launch per cluster)")
+    add("--hooks", type=_csv("hook", HOOKS), default=list(HOOKS),
+        help="hooks to compare (the compute-only reference always runs)")
+    add("--rate", type=_rate_override, action="append", default=[],
+        help="link rate of one configuration, MODEL:N=RATE (repeatable); default: "
+             "default_rate() (communication/computation ratio ~4)")
+    add("--steps", type=_positive(int), default=5, help="timed steps per variant and round")
+    add("--rounds", type=_positive(int), default=3, help="interleaved rounds")
+    add("--warmup-steps", type=_positive(int), default=5,
+        help="the hooks' dense warm-up steps (omgs_hook warmup_steps, PowerSGD "
+             "start_powerSGD_iter; at least 2)")
+    add("--replan-every", type=_positive(int), default=100, help="omgs_hook replan_every")
+    add("--batch-size", type=_positive(int), default=32, help="samples per rank and step")
+    add("--vgg-fc-width", type=_positive(int), default=2048,
+        help="width of vgg16's two hidden FC layers (2048: 20.0M parameters, close to the "
+             "23M-parameter model the recommended rates were derived for)")
+    add("--sparse-bucket-cap-mb", type=_non_negative_float, default=0.0,
+        help="DDP bucket size of topk/lags/omgs (0: one parameter tensor per bucket)")
+    add("--allow-dense", action="store_true",
+        help="let the sparse hooks send a group as a dense all-reduce where their cost model "
+             "says it is cheaper (omgs_hook's allow_dense, beyond the paper); default: every "
+             "group sparse, as TopK-SGD, LAGS-SGD and OMGS-SGD are published")
+    add("--powersgd-rank", type=_positive(int), default=2, help="PowerSGD approximation rank")
+    add("--topk-backend", default="auto", help="omgs_hook topk_backend of the sparse hooks")
+    add("--seed", type=int, default=0)
+    add("--profile-reps", type=_positive(int), default=8,
+        help="timed repetitions per point of the in-cluster profile")
+    add("--results-dir", default=os.path.join(REPO_ROOT, "docs", "results"))
+    add("--doc", default=os.path.join(REPO_ROOT, "docs", "benchmarks.md"))
+    add("--plot", default=os.path.join(REPO_ROOT, "docs", "benchmarks.png"))
+    add("--report-only", action="store_true",
+        help="measure nothing: re-render --doc and --plot from --results-dir")
+    add("--quick", action="store_true",
+        help="smoke run: resnet20, 2 nodes, 2 warm-up steps, 1 round of 2 steps, tiny profile")
+    add("--wait-load", type=_non_negative_float, default=None,
+        help="before each configuration wait until the 1-minute load average is below this")
+    add("--wait-load-max-s", type=_non_negative_float, default=600.0,
+        help="give up waiting for --wait-load after this long (and record the load)")
+    add("--timeout", type=_positive(float), default=1800.0,
+        help="seconds one launch (profile or benchmark) may take before it is killed")
+    add("--worker", metavar="CONFIG_JSON", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        return args
+    if args.quick:
+        args.models, args.nodes, args.steps, args.rounds = ["resnet20"], [2], 2, 1
+        args.warmup_steps, args.profile_reps = 2, 2
+    if args.warmup_steps < 2:
+        parser.error("--warmup-steps: must be at least 2 (DDP rebuilds its buckets after the "
+                     "first iteration; PowerSGD requires it)")
+    args.rate = dict(args.rate)
+    for (model, nodes) in args.rate:
+        if model not in args.models or nodes not in args.nodes:
+            parser.error(f"--rate {model}:{nodes}=...: that configuration is not being run "
+                         f"(--models {','.join(args.models)} --nodes "
+                         f"{','.join(map(str, args.nodes))})")
+    return args
+
+
+# =====================================================================================
+# worker: runs on every rank, inside the cluster
+# =====================================================================================
+
+
+class TimedSelector:
+    """Wraps a top-k selector and adds up the seconds its ``select`` calls take.
+
+    The hook calls ``select`` on the autograd thread only, so no lock is needed.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.seconds = 0.0
+
+    def select(self, x, k):
+        started = time.perf_counter()
+        try:
+            return self.inner.select(x, k)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def take(self):
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def __getattr__(self, name):  # stats() and anything else the hook may ask for
+        return getattr(self.inner, name)
+
+
+class HookStopwatch:
+    """Adds up the seconds an OMGS state spends in its per-bucket hook call.
+
+    That is the hook's work on the autograd thread - assembling gradient + residual,
+    the NaN check, top-k, packing, issuing the collective - during which backward
+    computation waits. (Unpacking and writing back run in collective callbacks on gloo
+    threads and are not included.) Installed as an instance attribute that shadows
+    ``OMGSState.on_bucket``, which ``omgs_hook(state, bucket)`` calls.
+    """
+
+    def __init__(self, state):
+        self.inner = state.on_bucket
+        self.seconds = 0.0
+        state.on_bucket = self
+
+    def __call__(self, bucket):
+        started = time.perf_counter()
+        try:
+            return self.inner(bucket)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def take(self):
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+class Variant:
+    """One compared configuration: its model, DDP wrapper, hook state and optimiser."""
+
+    def __init__(self, name, module, net, optimizer, hook_state=None, bucket_cap_mb=None,
+                 local_only=False):
+        self.name = name
+        self.module = module
+        self.net = net  # the DDP wrapper, or the bare module
+        self.optimizer = optimizer
+        # run forward/backward inside DDP's no_sync(): no communication at all
+        self.local_only = local_only
+        self.hook_state = hook_state
+        self.bucket_cap_mb = bucket_cap_mb
+        self.selector = None
+        self.stopwatch = HookStopwatch(hook_state) if name in SPARSE_STRATEGIES else None
+        self.steps_run = 0
+        self.round_medians = []  # per round: median slowest-rank iteration seconds
+        # per timed step, slowest rank: (iteration_s, optimizer_s, topk_s, hook_s)
+        self.times = []
+
+    def attach_selector_timer(self):
+        """Wrap the OMGS state's selector once it exists (it is created at the first step)."""
+        state = self.hook_state
+        if state is None or not hasattr(state, "_selector") or self.selector is not None:
+            return
+        if state._selector is None:
+            return
+        # omgs_hook has no public per-step top-k timer; wrapping the selector it builds
+        # at its first step is the least intrusive way to time exactly the selection.
+        self.selector = TimedSelector(state._selector)
+        state._selector = self.selector
+
+
+def _ddp_options(torch_ddp):
+    import inspect
+
+    parameters = inspect.signature(torch_ddp.__init__).parameters
+    # torch >= 2.13 renames broadcast_buffers (and warns about the old name even if False)
+    key = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+    options = {key: False}
+    if "init_sync" in parameters:
+        options["init_sync"] = False
+    return options
+
+
+def build_model(config):
+    from omgs_hook.examples.models import build_model as build
+
+    options = {"in_channels": 3, "num_classes": 10}
+    if config["model"] == "vgg16":
+        options["fc_width"] = config["vgg_fc_width"]
+    return build(config["model"], **options)
+
+
+def make_variants(config, initial_state, profile_path):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import omgs_hook
+
+    ddp_options = _ddp_options(DistributedDataParallel)
+    variants = []
+    for name in config["variants"]:
+        if name == REFERENCE and "allreduce" in config["variants"]:
+            continue  # shares the allreduce variant's model, added below
+        module = build_model(config)
+        module.load_state_dict(initial_state)
+        optimizer = torch.optim.SGD(module.parameters(), lr=config["lr"], momentum=0.9,
+                                    weight_decay=5e-4)
+        if name == REFERENCE:
+            variants.append(Variant(name, module, module, optimizer))
+            continue
+        if name == "allreduce":
+            cap = None  # DDP's defaults: 1 MiB first bucket, then 25 MiB
+        elif name == "powersgd":
+            model_mib = sum(p.numel() * p.element_size() for p in module.parameters()) / 2 ** 20
+            cap = math.ceil(model_mib) + 1.0  # everything in one bucket (see docstring)
+        else:
+            cap = config["sparse_bucket_cap_mb"]
+        net = DistributedDataParallel(module, bucket_cap_mb=cap, **ddp_options)
+        state = None
+        if name == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=config["powersgd_rank"],
+                start_powerSGD_iter=config["warmup_steps"], use_error_feedback=True,
+                warm_start=True, random_seed=config["seed"])
+            net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif name in SPARSE_STRATEGIES:
+            state = omgs_hook.register(
+                net, density=config["density"], strategy=SPARSE_STRATEGIES[name],
+                warmup_steps=config["warmup_steps"], replan_every=config["replan_every"],
+                profile=profile_path, topk_backend=config["topk_backend"],
+                allow_dense=config["allow_dense"], log_every=0,
+                # the window then holds exactly the timed steps at the end (see
+                # replayed_prediction); no re-plan happens within a benchmark
+                measure_window=max(config["warmup_steps"], config["steps"] * config["rounds"]))
+        variants.append(Variant(name, module, net, optimizer, state, cap))
+    if REFERENCE in config["variants"] and "allreduce" in config["variants"]:
+        # The compute reference reuses the allreduce model (its weights, optimiser and
+        # DDP wrapper in no_sync mode): a whole extra copy of a 20M-parameter model,
+        # with momentum, costs ~0.3 GB per rank, and timing does not depend on weights.
+        dense = next(v for v in variants if v.name == "allreduce")
+        variants.insert(config["variants"].index(REFERENCE),
+                        Variant(REFERENCE, dense.module, dense.net, dense.optimizer,
+                                local_only=True))
+    return variants
+
+
+def synthetic_batches(config, rank):
+    """A few fixed random CIFAR-shaped batches for this rank (timing only)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(config["seed"] * 1000 + 17 + rank)
+    shape = (config["batch_size"], 3, 32, 32)
+    return [(torch.randn(shape, generator=generator),
+             torch.randint(0, 10, (config["batch_size"],), generator=generator))
+            for _ in range(SYNTHETIC_BATCHES)]
+
+
+def run_step(variant, batch):
+    """One training step; returns (iteration_s, optimizer_s, topk_s, hook_s) on this rank."""
+    import torch.nn.functional as F
+
+    inputs, targets = batch
+    started = time.perf_counter()
+    with variant.net.no_sync() if variant.local_only else contextlib.nullcontext():
+        loss = F.cross_entropy(variant.net(inputs), targets)
+        variant.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # returns once DDP has the averaged gradients (all futures done)
+    backward_done = time.perf_counter()
+    variant.optimizer.step()
+    finished = time.perf_counter()
+    if not math.isfinite(loss.item()):
+        raise FloatingPointError(f"{variant.name}: loss became {loss.item()}")
+    variant.steps_run += 1
+    topk = variant.selector.take() if variant.selector is not None else 0.0
+    hook = variant.stopwatch.take() if variant.stopwatch is not None else 0.0
+    variant.attach_selector_timer()
+    return finished - started, finished - backward_done, topk, hook
+
+
+def slowest_rank(rows):
+    """Element-wise MAX over ranks of a list of per-step tuples (one collective)."""
+    import torch
+    import torch.distributed as dist
+
+    table = torch.tensor(rows, dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return [tuple(float(x) for x in row) for row in table.tolist()]
+
+
+def replayed_prediction(variant):
+    """The cost model's iteration time for the plan in use, fed with timed-step measurements.
+
+    The plan's own prediction uses the backward and forward times measured during the
+    hook's dense warm-up. Here the same plan is evaluated (``planner.evaluate``) with
+    the per-bucket backward and forward times of the hook's measurement window, which
+    holds the timed steps (``measure_window``), averaged over ranks like the hook's
+    own planning input. This separates stale inputs from errors of the model itself.
+    Collective: every rank must call it. Returns None without a plan.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from omgs_hook.cost_model import Instance, Unit
+    from omgs_hook.planner import evaluate
+
+    state = variant.hook_state
+    stats = state.stats()
+    plan = state.plan
+    backward = stats["backward_s_per_unit"]
+    usable = plan is not None and len(backward) == len(plan.layout)
+    row = torch.tensor([float(usable)] + [stats["forward_s"]] + (list(backward) if usable else
+                                                                 [0.0] * len(plan.layout)),
+                       dtype=torch.float64)
+    dist.all_reduce(row)
+    if row[0].item() < dist.get_world_size():
+        return None
+    mean = (row / dist.get_world_size()).tolist()
+    numel = {name: p.numel() for name, p in variant.module.named_parameters()}
+    units = tuple(Unit(numel=sum(numel[key] for key in bucket), backward_s=b)
+                  for bucket, b in zip(plan.layout, mean[2:]))
+    instance = Instance(layers=units, world_size=dist.get_world_size(), density=state.density,
+                        forward_s=mean[1], comm=state.profile.comm,
+                        topk=state.profile.topk_for(variant.selector.name),
+                        dense=state.profile.dense if state.allow_dense else None)
+    return evaluate(instance, plan.unit_groups(), dense=list(plan.dense)).predicted_iteration_s
+
+
+def variant_report(variant):
+    """Timings, statistics and what the hook says about itself (plan, prediction, bytes)."""
+    report = {"name": variant.name, "bucket_cap_mb": variant.bucket_cap_mb,
+              "steps_run": variant.steps_run, "round_medians_s": variant.round_medians}
+    report.update(summarise_times(variant.times))
+    state = variant.hook_state
+    if variant.name in SPARSE_STRATEGIES and state is not None:
+        stats = state.stats()
+        plan = stats.get("plan") or {}
+        last = stats.get("last") or {}
+        backward = stats.get("backward_s_per_unit") or []
+        report["hook"] = {
+            "predicted_iteration_s": stats.get("predicted_iteration_s"),
+            "plan_groups": plan.get("groups"),
+            "plan_dense": plan.get("dense"),
+            "num_groups": plan.get("num_groups"),
+            "num_units": len(backward),
+            "plan_made_at_step": plan.get("made_at_step"),
+            "replans": stats["total"].get("replans"),
+            "hook_forward_s": stats.get("forward_s"),
+            "hook_backward_s": sum(backward),
+            "bytes_sent_per_step": last.get("bytes_sent"),
+            "dense_bytes_per_step": last.get("dense_bytes"),
+            "achieved_density": last.get("density"),
+            "nonfinite_steps": stats["total"].get("nonfinite_steps"),
+            "replayed_prediction_s": replayed_prediction(variant),
+        }
+    elif variant.name == "powersgd" and state is not None:
+        rate = state.compression_stats()[0]  # (rate, numel before, numel after)
+        report["hook"] = {"compression_rate": rate, "rank": state.matrix_approximation_rank}
+    elif variant.name == "allreduce":
+        numel = sum(p.numel() for p in variant.module.parameters())
+        report["hook"] = {"bytes_sent_per_step": 4 * numel}
+    return report
+
+
+def warmup_steps_for(name, hook_warmup_steps):
+    """Untimed steps before a variant's first timed step.
+
+    DDP needs two iterations to settle its buckets; the hooks add their dense warm-up
+    (at whose end the OMGS plan is made, PowerSGD starts compressing); then
+    SETTLE_STEPS on the final configuration. The compute reference needs one step.
+    """
+    if name == REFERENCE:
+        return 1
+    if name == "allreduce":
+        return DDP_SETUP_STEPS + SETTLE_STEPS
+    return max(DDP_SETUP_STEPS, hook_warmup_steps) + SETTLE_STEPS
+
+
+def run_worker(config_path):
+    """Entry point on each rank: build every variant, warm up, time interleaved rounds."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config["pg_timeout_s"]))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    variants = []
+    try:
+        torch.manual_seed(config["seed"])  # identical initial weights on every rank
+        initial_state = build_model(config).state_dict()
+        variants = make_variants(config, initial_state, config["profile_path"])
+        batches = synthetic_batches(config, rank)
+        torch.manual_seed(config["seed"] + 1 + rank)  # dropout differs per rank, as in training
+
+        warmup = {}
+        for variant in variants:  # warm-up is per variant; it is never timed
+            warmup[variant.name] = warmup_steps_for(variant.name, config["warmup_steps"])
+            for step in range(warmup[variant.name]):
+                run_step(variant, batches[step % len(batches)])
+            if variant.name in SPARSE_STRATEGIES and variant.hook_state.stats()["plan"] is None:
+                raise RuntimeError(f"{variant.name}: no plan after {warmup[variant.name]} "
+                                   f"warm-up steps")
+        dist.barrier()
+        order = list(range(len(variants)))
+        for round_index in range(config["rounds"]):
+            shift = round_index % len(order)
+            for position in order[shift:] + order[:shift]:
+                variant = variants[position]
+                rows = [run_step(variant, batches[(variant.steps_run + i) % len(batches)])
+                        for i in range(config["steps"])]
+                timed = slowest_rank(rows)
+                variant.times.extend(timed)
+                variant.round_medians.append(statistics.median(r[0] for r in timed))
+        reports = {}
+        for variant in variants:
+            reports[variant.name] = variant_report(variant)
+            reports[variant.name]["warmup_steps"] = warmup[variant.name]
+        peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+        dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            output = {"variants": reports, "world_size": world_size,
+                      "peak_rss_bytes_max_rank": float(peak_rss.item()),
+                      "threads_per_rank": torch.get_num_threads(),
+                      "torch_version": torch.__version__}
+            tmp = config["out"] + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as handle:
+                json.dump(output, handle, indent=1)
+            os.replace(tmp, config["out"])
+        dist.barrier()
+    finally:
+        # Free the DDP models (and the hook states referencing them) before tearing the
+        # process group down: gloo otherwise aborts at exit in some runs.
+        del variants
+        gc.collect()
+        dist.destroy_process_group()
+    return 0
+
+
+# =====================================================================================
+# statistics
+# =====================================================================================
+
+
+def quantile(values, q):
+    """Linear-interpolated quantile ``q`` in [0, 1] of a non-empty sequence."""
+    if not values:
+        raise ValueError("quantile of an empty sequence")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be in [0, 1], got {q}")
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarise_times(rows):
+    """Median, quartiles and extremes of slowest-rank steps ``(iter, optimizer, topk, hook)``."""
+    if not rows:
+        return {"iteration_s": [], "timed_steps": 0}
+    iteration = [r[0] for r in rows]
+    return {
+        "iteration_s": iteration,
+        "optimizer_s": [r[1] for r in rows],
+        "topk_s": [r[2] for r in rows],
+        "hook_s": [r[3] for r in rows],
+        "timed_steps": len(rows),
+        "median_s": statistics.median(iteration),
+        "p25_s": quantile(iteration, 0.25),
+        "p75_s": quantile(iteration, 0.75),
+        "min_s": min(iteration),
+        "max_s": max(iteration),
+        "optimizer_median_s": statistics.median(r[1] for r in rows),
+        "topk_median_s": statistics.median(r[2] for r in rows),
+        "hook_median_s": statistics.median(r[3] for r in rows),
+    }
+
+
+def analyse(result):
+    """Derived figures of one configuration's result: speed-ups, prediction error, targets."""
+    variants = result["variants"]
+
+    def median(name):
+        v = variants.get(name)
+        return v.get("median_s") if v else None
+
+    out = {}
+    omgs, allreduce, compute = median("omgs"), median("allreduce"), median(REFERENCE)
+    sparse_peers = [(median(n), n) for n in ("topk", "lags") if median(n) is not None]
+    if omgs is not None and sparse_peers:
+        best, best_name = min(sparse_peers)
+        out["best_sparse_peer"] = best_name
+        out["speedup_vs_best_sparse"] = best / omgs
+        if compute:
+            # what OMGS could gain over that peer if merging hid ALL of the peer's
+            # communication and sparsification (the compute reference's time)
+            out["ceiling_vs_best_sparse"] = best / compute
+    if omgs is not None and allreduce is not None:
+        out["speedup_vs_allreduce"] = allreduce / omgs
+    if allreduce is not None and compute:
+        out["comm_compute_ratio"] = (allreduce - compute) / compute
+    hook = (variants.get("omgs") or {}).get("hook") or {}
+    predicted = hook.get("predicted_iteration_s")
+    if omgs is not None and predicted is not None:
+        out["predicted_s"] = predicted
+        out["prediction_error"] = (predicted - omgs) / omgs
+        replayed = hook.get("replayed_prediction_s")
+        if replayed is not None:
+            out["replayed_s"] = replayed
+            out["replayed_prediction_error"] = (replayed - omgs) / omgs
+        opt = variants["omgs"].get("optimizer_median_s")
+        if opt is not None:
+            # the planner's timeline ends when the last gradient is exchanged; the
+            # optimiser step that follows is not part of its model
+            out["prediction_error_without_optimizer"] = (predicted - (omgs - opt)) / (omgs - opt)
+    return out
+
+
+# =====================================================================================
+# driver: clusters, profiling, launching the workers
+# =====================================================================================
+
+
+def config_tag(model, nodes, density, allow_dense):
+    """Names one configuration's files: ``vgg16_n4_d0.001`` (``..._dense`` with dense groups)."""
+    return f"{model}_n{nodes}_d{density:g}" + ("_dense" if allow_dense else "")
+
+
+def result_path(results_dir, tag):
+    return os.path.join(results_dir, f"{RESULT_PREFIX}{tag}.json")
+
+
+def default_rate(model, nodes):
+    """The link rate for (model, nodes) (see VGG16_RATES), or None if none is known."""
+    from netem_cluster import RECOMMENDED_RATES
+
+    if model == "vgg16" and nodes in VGG16_RATES:
+        return VGG16_RATES[nodes]
+    return RECOMMENDED_RATES.get((model, nodes))
+
+
+def load_average():
+    """The 1, 5 and 15 minute load averages."""
+    return list(os.getloadavg())
+
+
+def wait_for_load(threshold, max_wait_s, poll_s=10.0):
+    """Wait until the 1-minute load average is below ``threshold``; return the load seen."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        load = load_average()
+        if load[0] < threshold or time.monotonic() >= deadline:
+            return load
+        print(f"bench_cluster: load average {load[0]:.2f} >= {threshold}, waiting ...",
+              flush=True)
+        time.sleep(poll_s)
+
+
+def model_facts(model, config):
+    """Parameter count of ``model`` as configured (builds it once, on the driver)."""
+    from omgs_hook.examples.models import count_parameters
+
+    return count_parameters(build_model({"model": model, **config}))
+
+
+def profile_sweep(numel, density, quick):
+    """Message sizes (bytes per rank) and top-k sizes spanning what this model sends.
+
+    The smallest sparse message is one entry; the largest one group of the whole model
+    (TopK-SGD). Sizes grow geometrically so the relative-error fit sees every scale.
+    """
+    largest_message = 4 * (2 * max(1, math.ceil(density * numel)) + 1)
+    top = max(64 * 1024, 2 * largest_message)
+    count = 3 if quick else 6
+    sizes = sorted({int(round(64 * (top / 64) ** (i / (count - 1)))) for i in range(count)})
+    topk_top = numel
+    topk_sizes = sorted({int(round(1000 * (topk_top / 1000) ** (i / (count - 1))))
+                         for i in range(count)})
+    return sizes, topk_sizes
+
+
+def run_configuration(cluster, model, density, args, workdir):
+    """Profile the cluster, launch the workers, return the merged result dict."""
+    nodes = cluster.nodes
+    common = {"vgg_fc_width": args.vgg_fc_width}
+    numel = model_facts(model, common)
+    tag = config_tag(model, nodes, density, args.allow_dense)
+    profile_path = os.path.join(workdir, f"profile_{tag}.json")
+    sizes, topk_sizes = profile_sweep(numel, density, args.quick)
+    profile_argv = [sys.executable, PROFILE_SCRIPT, "--out", profile_path, "--no-plot",
+                    "--no-progress", "--density", repr(density),
+                    "--sizes", ",".join(map(str, sizes)),
+                    "--topk-sizes", ",".join(map(str, topk_sizes)),
+                    "--reps", str(args.profile_reps), "--warmup", "1"]
+    if args.topk_backend != "auto":
+        profile_argv += ["--topk-backends", args.topk_backend]
+    started = time.monotonic()
+    cluster.run_ranks(profile_argv, timeout=args.timeout, cwd=REPO_ROOT).check()
+    profile_s = time.monotonic() - started
+    with open(profile_path, encoding="utf-8") as handle:
+        profile = json.load(handle)
+    # kept next to the results: the cost model this cluster was planned with (the
+    # convergence study plans its OMGS runs with the ResNet-20 one)
+    shutil.copyfile(profile_path, os.path.join(args.results_dir, f"profile_{tag}.json"))
+
+    worker_config = {
+        "model": model, "density": density, "variants": [REFERENCE] + list(args.hooks),
+        "steps": args.steps, "rounds": args.rounds, "warmup_steps": args.warmup_steps,
+        "replan_every": args.replan_every, "batch_size": args.batch_size, "lr": 0.01,
+        "sparse_bucket_cap_mb": args.sparse_bucket_cap_mb, "powersgd_rank": args.powersgd_rank,
+        "topk_backend": args.topk_backend, "allow_dense": args.allow_dense,
+        "seed": args.seed, "profile_path": profile_path,
+        "out": os.path.join(workdir, f"worker_{tag}.json"),
+        "pg_timeout_s": int(args.timeout), **common,
+    }
+    config_path = os.path.join(workdir, f"config_{tag}.json")
+    with open(config_path, "w", encoding="utf-8") as handle:
+        json.dump(worker_config, handle)
+    load_before = load_average()
+    started = time.monotonic()
+    run = cluster.run_ranks([sys.executable, os.path.abspath(__file__), "--worker", config_path],
+                            timeout=args.timeout, cwd=REPO_ROOT)
+    run.check()
+    bench_s = time.monotonic() - started
+    with open(worker_config["out"], encoding="utf-8") as handle:
+        measured = json.load(handle)
+
+    from netem_cluster import format_rate
+
+    result = {
+        "kind": "omgs-bench-cluster", "version": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": model, "params": numel, "nodes": nodes,
+        "rate": format_rate(cluster.rate_bps), "rate_bps": cluster.rate_bps,
+        "density": density, "quick": bool(args.quick),
+        "settings": {k: worker_config[k] for k in (
+            "steps", "rounds", "warmup_steps", "replan_every", "batch_size", "lr",
+            "sparse_bucket_cap_mb", "powersgd_rank", "topk_backend", "seed", "vgg_fc_width",
+            "allow_dense")},
+        "load_before": load_before, "load_after": load_average(),
+        "profile": {key: profile.get(key) for key in
+                    ("comm", "dense", "topk", "world_size", "settings", "fit_errors")},
+        "profile_s": profile_s, "bench_s": bench_s,
+        **measured,
+    }
+    result["analysis"] = analyse(result)
+    return result
+
+
+def run_benchmarks(args):
+    from netem_cluster import Cluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"bench_cluster: cannot build the emulated cluster: {reason}")
+    os.makedirs(args.results_dir, exist_ok=True)
+    written = []
+    with tempfile.TemporaryDirectory(prefix="omgs-bench-") as workdir:
+        os.chmod(workdir, 0o755)
+        for nodes in args.nodes:
+            for model in args.models:
+                rate = args.rate.get((model, nodes)) or default_rate(model, nodes)
+                if rate is None:
+                    raise SystemExit(f"bench_cluster: no recommended rate for {model} at "
+                                     f"{nodes} nodes; pass --rate {model}:{nodes}=RATE")
+                if args.wait_load is not None:
+                    wait_for_load(args.wait_load, args.wait_load_max_s)
+                with Cluster(nodes=nodes, rate=rate) as cluster:  # once per (N, rate)
+                    for density in args.densities:
+                        print(f"bench_cluster: {model}, {nodes} nodes at {rate}, density "
+                              f"{density:g} ...", flush=True)
+                        result = run_configuration(cluster, model, density, args, workdir)
+                        path = result_path(args.results_dir, config_tag(
+                            model, nodes, density, args.allow_dense))
+                        with open(path, "w", encoding="utf-8") as handle:
+                            json.dump(result, handle, indent=1)
+                        written.append(path)
+                        print(format_console_summary(result), flush=True)
+    return written
+
+
+# =====================================================================================
+# report: Markdown + plot from the result files
+# =====================================================================================
+
+
+def load_results(results_dir):
+    """Every benchmark result JSON in ``results_dir``, sorted by (model, N, density)."""
+    results = []
+    if not os.path.isdir(results_dir):
+        return results
+    for name in sorted(os.listdir(results_dir)):
+        if not (name.startswith(RESULT_PREFIX) and name.endswith(".json")):
+            continue
+        with open(os.path.join(results_dir, name), encoding="utf-8") as handle:
+            data = json.load(handle)
+        if data.get("kind") != "omgs-bench-cluster":
+            continue
+        data["analysis"] = analyse(data)  # recomputed: the rules may have changed
+        results.append(data)
+    order = {m: i for i, m in enumerate(MODELS)}
+    results.sort(key=lambda r: (order.get(r["model"], 99), r["nodes"], r["density"],
+                                bool(r["settings"].get("allow_dense"))))
+    return results
+
+
+def _ms(seconds):
+    return "-" if seconds is None else f"{1000 * seconds:.0f}" if seconds >= 0.1 else \
+        f"{1000 * seconds:.1f}"
+
+
+def _x(value):
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _pct(value):
+    return "-" if value is None else f"{100 * value:+.0f}%"
+
+
+def format_console_summary(result):
+    lines = [f"{result['model']} N={result['nodes']} {result['rate']} density "
+             f"{result['density']:g}:"]
+    for name in VARIANTS:
+        v = result["variants"].get(name)
+        if v and v.get("median_s") is not None:
+            hook = v.get("hook") or {}
+            extra = ""
+            if hook.get("predicted_iteration_s") is not None:
+                extra = f" predicted {_ms(hook['predicted_iteration_s'])} ms"
+            lines.append(f"  {name:<10} median {_ms(v['median_s'])} ms "
+                         f"[{_ms(v['p25_s'])}, {_ms(v['p75_s'])}] top-k "
+                         f"{_ms(v['topk_median_s'])} ms{extra}")
+    a = result["analysis"]
+    lines.append(f"  omgs vs best of topk/lags {_x(a.get('speedup_vs_best_sparse'))}, "
+                 f"vs allreduce {_x(a.get('speedup_vs_allreduce'))}, "
+                 f"prediction {_pct(a.get('prediction_error'))}, "
+                 f"replayed {_pct(a.get('replayed_prediction_error'))}")
+    return "\n".join(lines)
+
+
+def _dense_note(result):
+    return ", dense groups allowed" if result["settings"].get("allow_dense") else ""
+
+
+def _verdict(ok):
+    return "met" if ok else "**missed**"
+
+
+def render_tables(results, plot_name):
+    """The generated Markdown: setup line, one table per configuration, target summary."""
+    if not results:
+        return "_No benchmark results yet: run `python scripts/bench_cluster.py`._\n"
+    out = []
+    quick = any(r.get("quick") for r in results)
+    if quick:
+        out.append("> **Smoke-test results (`--quick`)**: too few steps for any conclusion.\n")
+    out.append(f"![iteration time per hook]({plot_name})\n")
+    out.append("Times are per training step (forward, backward with gradient exchange, "
+               "optimiser step) on the slowest rank, in milliseconds: median over all timed "
+               "steps, [p25, p75] across them, and the min-max of the per-round medians. "
+               "`top-k` is the sparse hooks' selection time per step (slowest rank), `hook` "
+               "all their work on the autograd thread (top-k, assembling gradient + residual, "
+               "the NaN check, packing; not the write-back, which runs in gloo threads), "
+               "`opt` the optimiser step. `predicted` is the planner's iteration time for the "
+               "plan in use, made from the backward/forward times measured in the hook's "
+               "dense warm-up (it models forward, backward, top-k and the exchange, not the "
+               "optimiser step); `replayed` evaluates the same plan with the cost model fed "
+               "with the times measured during the timed steps instead.\n")
+    for r in results:
+        s = r["settings"]
+        a = r["analysis"]
+        ratio = a.get("comm_compute_ratio")
+        out.append(
+            f"### {r['model']} ({r['params'] / 1e6:.2f}M parameters), N = {r['nodes']}, "
+            f"{r['rate']} links, density {r['density']:g}{_dense_note(r)}\n")
+        out.append(
+            f"{s['rounds']} rounds x {s['steps']} steps per variant, batch {s['batch_size']} "
+            f"per rank, hooks' dense warm-up {s['warmup_steps']} steps (all warm-up "
+            f"untimed); "
+            f"load average {r['load_before'][0]:.2f} before, {r['load_after'][0]:.2f} after; "
+            f"measured communication/computation ratio of allreduce "
+            f"{'-' if ratio is None else f'{ratio:.1f}'}; peak memory per rank "
+            f"{r.get('peak_rss_bytes_max_rank', 0) / 2 ** 30:.2f} GiB.\n")
+        out.append("| variant | median ms | [p25, p75] | round medians | top-k ms | hook ms | "
+                   "opt ms | predicted ms | replayed ms | groups / units | sent per step | "
+                   "vs allreduce |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        allreduce = (r["variants"].get("allreduce") or {}).get("median_s")
+        for name in VARIANTS:
+            v = r["variants"].get(name)
+            if not v or v.get("median_s") is None:
+                continue
+            hook = v.get("hook") or {}
+            rounds = v.get("round_medians_s") or []
+            round_text = f"{_ms(min(rounds))}-{_ms(max(rounds))}" if rounds else "-"
+            groups = "-"
+            if hook.get("num_groups") is not None:
+                groups = f"{hook['num_groups']} / {hook.get('num_units', '?')}"
+                if hook.get("plan_dense") and any(hook["plan_dense"]):
+                    groups += f" ({sum(hook['plan_dense'])} dense)"
+            sent = hook.get("bytes_sent_per_step")
+            if name == "powersgd" and hook.get("compression_rate"):
+                sent_text = f"1/{hook['compression_rate']:.0f} of dense"
+            else:
+                sent_text = "-" if sent is None else f"{sent / 1e3:.1f} kB"
+            speed = None if allreduce is None else allreduce / v["median_s"]
+            topk = v.get("topk_median_s") if name in SPARSE_STRATEGIES else None
+            hook_s = v.get("hook_median_s") if name in SPARSE_STRATEGIES else None
+            out.append(
+                f"| {HOOK_LABELS[name]} | {_ms(v['median_s'])} | [{_ms(v['p25_s'])}, "
+                f"{_ms(v['p75_s'])}] | {round_text} | {_ms(topk)} | {_ms(hook_s)} | "
+                f"{_ms(v.get('optimizer_median_s'))} | "
+                f"{_ms(hook.get('predicted_iteration_s'))} | "
+                f"{_ms(hook.get('replayed_prediction_s'))} | {groups} | {sent_text} | "
+                f"{_x(speed)} |")
+        out.append("")
+        plan = (r["variants"].get("omgs") or {}).get("hook") or {}
+        if plan.get("plan_groups"):
+            sizes = [len(g) for g in plan["plan_groups"]]
+            out.append(f"OMGS plan: {len(sizes)} groups of {sizes} consecutive units "
+                       f"(units in gradient-ready order).\n")
+    out.append("### Targets\n")
+    out.append("`ceiling` is the best sparse peer's time over the compute-only time: the "
+               "speed-up OMGS would reach over that peer if merging hid all of the peer's "
+               "communication and sparsification.\n")
+    out.append("| configuration | omgs vs best of topk/lags (>= 1.3x) | ceiling | omgs vs "
+               "allreduce (>= 2x on the communication-bound model) | predicted vs measured "
+               "(within 15%) | same, without the optimiser step | replayed vs measured |")
+    out.append("|---|---|---|---|---|---|---|")
+    for r in results:
+        a = r["analysis"]
+        name = f"{r['model']} N={r['nodes']} d={r['density']:g}{_dense_note(r)}"
+        vs_sparse = a.get("speedup_vs_best_sparse")
+        vs_dense = a.get("speedup_vs_allreduce")
+        err = a.get("prediction_error")
+        err2 = a.get("prediction_error_without_optimizer")
+        err3 = a.get("replayed_prediction_error")
+        cells = [
+            "-" if vs_sparse is None else
+            f"{vs_sparse:.2f}x (best: {a['best_sparse_peer']}) "
+            f"{_verdict(vs_sparse >= TARGET_SPEEDUP_VS_SPARSE)}",
+            _x(a.get("ceiling_vs_best_sparse")),
+            "-" if vs_dense is None else
+            f"{vs_dense:.2f}x {_verdict(vs_dense >= TARGET_SPEEDUP_VS_ALLREDUCE)}",
+            "-" if err is None else f"{_pct(err)} {_verdict(abs(err) <= TARGET_PREDICTION_ERROR)}",
+            "-" if err2 is None else
+            f"{_pct(err2)} {_verdict(abs(err2) <= TARGET_PREDICTION_ERROR)}",
+            "-" if err3 is None else
+            f"{_pct(err3)} {_verdict(abs(err3) <= TARGET_PREDICTION_ERROR)}",
+        ]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out.append("")
+    return "\n".join(out) + "\n"
+
+
+DOC_TEMPLATE = """# Benchmark: OMGS-SGD against its peers on an emulated cluster
+
+Generated by `scripts/bench_cluster.py`; the section between the markers is rewritten on
+every run, the rest of this file is kept.
+
+{begin}
+{end}
+"""
+
+
+def write_doc(path, generated):
+    """Replace the generated section of ``path`` (creating the file from a template)."""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    else:
+        text = DOC_TEMPLATE.format(begin=GENERATED_BEGIN, end=GENERATED_END)
+    begin, end = text.find(GENERATED_BEGIN), text.find(GENERATED_END)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"bench_cluster: {path} has no generated-section markers "
+                         f"({GENERATED_BEGIN!r} ... {GENERATED_END!r}); add them where the "
+                         f"tables belong")
+    text = text[:begin + len(GENERATED_BEGIN)] + "\n" + generated + text[end:]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def plot_results(results, path):
+    """Grouped bars: one panel per (model, density), a group per N, a bar per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["model"], r["density"], bool(r["settings"].get("allow_dense")))
+                     for r in results},
+                    key=lambda p: (MODELS.index(p[0]) if p[0] in MODELS else 99, p[1], p[2]))
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    colors = {"compute": "0.75", "allreduce": "tab:gray", "powersgd": "tab:purple",
+              "topk": "tab:orange", "lags": "tab:green", "omgs": "tab:blue"}
+    for ax, (model, density, dense) in zip(axes[0], panels):
+        rows = [r for r in results if r["model"] == model and r["density"] == density
+                and bool(r["settings"].get("allow_dense")) == dense]
+        rows.sort(key=lambda r: r["nodes"])
+        names = [n for n in VARIANTS if any(n in r["variants"] for r in rows)]
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            xs, med, low, high = [], [], [], []
+            for j, r in enumerate(rows):
+                v = r["variants"].get(name)
+                if not v or v.get("median_s") is None:
+                    continue
+                xs.append(j + (i - (len(names) - 1) / 2) * width)
+                med.append(v["median_s"])
+                low.append(v["median_s"] - v["p25_s"])
+                high.append(v["p75_s"] - v["median_s"])
+            ax.bar(xs, med, width, yerr=[low, high], capsize=2, color=colors[name],
+                   label=HOOK_LABELS[name])
+            if name == "omgs":
+                predicted = [((r["variants"].get("omgs") or {}).get("hook") or {})
+                             .get("predicted_iteration_s") for r in rows]
+                px = [x for x, p in zip(xs, predicted) if p is not None]
+                ax.plot(px, [p for p in predicted if p is not None], "k_", markersize=14,
+                        markeredgewidth=2, label="OMGS planner prediction")
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([f"N={r['nodes']}\n{r['rate']}" for r in rows])
+        ax.set_ylabel("seconds per step (slowest rank, median, p25-p75)")
+        ax.set_title(f"{model} ({rows[0]['params'] / 1e6:.1f}M params), density {density:g}"
+                     + ("\n(sparse hooks may send dense groups)" if dense else ""))
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(args):
+    results = load_results(args.results_dir)
+    generated = render_tables(results, os.path.relpath(
+        os.path.abspath(args.plot), os.path.dirname(os.path.abspath(args.doc))))
+    write_doc(args.doc, generated)
+    if results:
+        plot_results(results, args.plot)
+    print(f"bench_cluster: {len(results)} result file(s) -> {args.doc}"
+          + (f", {args.plot}" if results else ""), flush=True)
+    return results
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args.worker)
+    if not args.report_only:
+        run_benchmarks(args)
+    report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

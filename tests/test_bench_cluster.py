@@ -1,0 +1,262 @@
+"""Smoke tests of scripts/bench_cluster.py and scripts/convergence.py.
+
+The report logic (statistics, speed-ups, target verdicts, doc rewriting, log parsing) is
+checked on hand-made inputs everywhere; the end-to-end ``--quick`` runs need root,
+``ip`` and ``tc`` for the emulated cluster (skipped with the reason otherwise), or just
+torchrun on loopback for the convergence study.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+
+def _load_script(name):
+    # by path: scripts/ on sys.path would let scripts/profile.py shadow stdlib `profile`
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_script("bench_cluster")
+convergence = _load_script("convergence")
+netem_cluster = _load_script("netem_cluster")
+UNAVAILABLE = netem_cluster.unavailable_reason()
+
+
+# ------------------------------------------------------------------ bench: pure logic
+
+
+def _variant(median, spread=0.01, predicted=None, optimizer=0.0, replayed=None):
+    rows = [(median - spread, optimizer, 0.0, 0.0), (median, optimizer, 0.0, 0.0),
+            (median + spread, optimizer, 0.0, 0.0)]
+    v = {"round_medians_s": [median]}
+    v.update(bench.summarise_times(rows))
+    if predicted is not None:
+        v["hook"] = {"predicted_iteration_s": predicted, "replayed_prediction_s": replayed,
+                     "num_groups": 2, "num_units": 5,
+                     "plan_groups": [[0, 1, 2], [3, 4]], "plan_dense": [False, False]}
+    return v
+
+
+def _result(omgs=0.5, topk=0.8, lags=0.7, allreduce=1.2, compute=0.3, predicted=0.55,
+            optimizer=0.05, replayed=0.45):
+    return {
+        "kind": "omgs-bench-cluster", "model": "resnet20", "params": 269722, "nodes": 4,
+        "rate": "14 Mbit/s", "density": 0.001, "quick": False,
+        "settings": {"rounds": 3, "steps": 5, "batch_size": 32, "warmup_steps": 5},
+        "load_before": [1.1, 1, 1], "load_after": [1.2, 1, 1],
+        "peak_rss_bytes_max_rank": 2 ** 30,
+        "variants": {"compute": _variant(compute), "allreduce": _variant(allreduce),
+                     "topk": _variant(topk), "lags": _variant(lags),
+                     "omgs": _variant(omgs, predicted=predicted, optimizer=optimizer,
+                                      replayed=replayed)},
+    }
+
+
+def test_quantile_interpolates_and_rejects_bad_input():
+    assert bench.quantile([4, 1, 3, 2], 0.5) == 2.5
+    assert bench.quantile([1, 2, 3, 4, 5], 0.25) == 2
+    assert bench.quantile([7], 0.75) == 7
+    with pytest.raises(ValueError, match="empty"):
+        bench.quantile([], 0.5)
+    with pytest.raises(ValueError, match="q must be"):
+        bench.quantile([1], 1.5)
+
+
+def test_summarise_times_uses_the_iteration_column():
+    s = bench.summarise_times([(0.3, 0.01, 0.002, 0.01), (0.1, 0.03, 0.004, 0.03),
+                               (0.2, 0.02, 0.0, 0.02)])
+    assert s["median_s"] == 0.2 and s["min_s"] == 0.1 and s["max_s"] == 0.3
+    assert s["optimizer_median_s"] == 0.02 and s["topk_median_s"] == 0.002
+    assert s["hook_median_s"] == 0.02
+    assert s["timed_steps"] == 3
+
+
+def test_analyse_speedups_and_prediction_error():
+    a = bench.analyse(_result())
+    assert a["best_sparse_peer"] == "lags"
+    assert a["speedup_vs_best_sparse"] == pytest.approx(0.7 / 0.5)
+    assert a["ceiling_vs_best_sparse"] == pytest.approx(0.7 / 0.3)
+    assert a["speedup_vs_allreduce"] == pytest.approx(1.2 / 0.5)
+    assert a["prediction_error"] == pytest.approx(0.1)
+    assert a["prediction_error_without_optimizer"] == pytest.approx(0.55 / 0.45 - 1)
+    assert a["replayed_prediction_error"] == pytest.approx(-0.1)
+    assert a["comm_compute_ratio"] == pytest.approx((1.2 - 0.3) / 0.3)
+
+
+def test_render_reports_met_and_missed_targets():
+    good = _result()
+    bad = _result(omgs=0.65, predicted=0.9)
+    bad["nodes"] = 2
+    for r in (good, bad):
+        r["analysis"] = bench.analyse(r)
+    text = bench.render_tables([good, bad], "benchmarks.png")
+    rows = [line for line in text.splitlines() if line.startswith("| resnet20 N=")]
+    assert len(rows) == 2
+    good_row = next(r for r in rows if "N=4" in r)
+    bad_row = next(r for r in rows if "N=2" in r)
+    assert "1.40x (best: lags) met | 2.33x | 2.40x met" in good_row
+    assert "+10% met" in good_row and good_row.endswith("| -10% met |")
+    assert "1.08x (best: lags) **missed**" in bad_row and "+38% **missed**" in bad_row
+    assert "OMGS plan: 2 groups of [3, 2]" in text
+
+
+def test_write_doc_keeps_text_outside_the_markers(tmp_path):
+    doc = tmp_path / "b.md"
+    bench.write_doc(str(doc), "first table\n")
+    text = doc.read_text()
+    doc.write_text("my analysis\n" + text + "closing words\n")
+    bench.write_doc(str(doc), "second table\n")
+    text = doc.read_text()
+    assert "my analysis" in text and "closing words" in text
+    assert "second table" in text and "first table" not in text
+    doc.write_text("no markers here\n")
+    with pytest.raises(SystemExit, match="markers"):
+        bench.write_doc(str(doc), "x")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rate", "vgg16:4"], "MODEL:N=RATE"),
+    (["--rate", "alexnet:4=1gbit"], "unknown model"),
+    (["--models", "resnet20", "--rate", "vgg16:4=1gbit"], "not being run"),
+    (["--densities", "1.0"], "density must be in"),
+    (["--hooks", "allreduce,dgc"], "unknown hook dgc"),
+    (["--nodes", "1"], "node count must be >= 2"),
+    (["--warmup-steps", "1"], "at least 2"),
+])
+def test_bad_arguments_are_rejected_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_profile_sweep_spans_the_largest_sparse_message():
+    sizes, topk_sizes = bench.profile_sweep(20_000_000, 0.001, quick=False)
+    largest_message = 4 * (2 * 20_000 + 1)
+    assert sizes[0] == 64 and sizes[-1] >= largest_message and len(sizes) == 6
+    assert topk_sizes[0] == 1000 and topk_sizes[-1] == 20_000_000
+
+
+# ------------------------------------------------------------ convergence: pure logic
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("allreduce", ("allreduce", "allreduce", None)),
+    ("omgs:0.001", ("omgs:0.001", "omgs", 0.001)),
+    (" lags:0.0100 ", ("lags:0.01", "lags", 0.01)),
+])
+def test_parse_config(text, expected):
+    assert convergence.parse_config(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("omgs", "needs a density"), ("omgs:2", "must be in"), ("dgc:0.1", "unknown hook"),
+    ("allreduce:0.1", "takes no density"),
+])
+def test_parse_config_rejects(text, message):
+    with pytest.raises(ValueError, match=message):
+        convergence.parse_config(text)
+
+
+def test_read_log_and_paired_summary(tmp_path):
+    log = tmp_path / "run.jsonl"
+    lines = [{"step": 1, "epoch": 0, "loss": 2.0, "iter_s": 0.1, "lr": 0.1},
+             {"step": 2, "epoch": 0, "loss": 1.0, "iter_s": 0.1, "lr": 0.1},
+             {"epoch": 0, "step": 2, "test_accuracy": 0.9, "test_loss": 0.3},
+             {"summary": True, "test_accuracy": 0.9, "test_loss": 0.3}]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    steps, evaluations, summary = convergence.read_log(str(log))
+    assert [s["loss"] for s in steps] == [2.0, 1.0] and len(evaluations) == 1
+    assert summary["test_accuracy"] == 0.9
+    log.write_text(json.dumps(lines[0]) + "\n")
+    with pytest.raises(ValueError, match="no summary"):
+        convergence.read_log(str(log))
+
+    def run(config, seed, accuracy):
+        return {"config": config, "seed": seed, "epochs": 5, "final_test_accuracy": accuracy,
+                "final_test_loss": 0.1, "bytes_sent_per_step": 100.0, "median_iter_s": 0.1,
+                "step_loss": [1.0, 0.5], "step_epoch": [0, 1], "evaluations": []}
+    runs = [run("allreduce", 0, 0.98), run("allreduce", 1, 0.96),
+            run("omgs:0.001", 0, 0.97), run("omgs:0.001", 1, 0.93)]
+    rows = {r["config"]: r for r in convergence.summarise(runs, 5)}
+    omgs = rows["omgs:0.001"]
+    assert omgs["gap_pp"] == pytest.approx(-2.0)
+    assert omgs["paired_gaps_pp"] == pytest.approx([-1.0, -3.0])
+    assert not convergence.target_met(omgs)
+    assert convergence.epoch_curves(runs[0])["train_loss"] == [1.0, 0.5]
+
+
+# ------------------------------------------------------------------ end to end
+
+
+@pytest.mark.netns
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=f"emulated cluster: {UNAVAILABLE}")
+def test_bench_cluster_quick_run(tmp_path):
+    results, doc, png = tmp_path / "results", tmp_path / "bench.md", tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_cluster.py"), "--quick",
+         "--results-dir", str(results), "--doc", str(doc), "--plot", str(png),
+         "--timeout", "100"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    files = list(results.glob("bench_resnet20_n2_d0.001.json"))
+    assert len(files) == 1
+    result = json.loads(files[0].read_text())
+    assert set(result["variants"]) == set(bench.VARIANTS)
+    for name, v in result["variants"].items():
+        assert v["timed_steps"] == 2 and v["median_s"] > 0, name
+    omgs = result["variants"]["omgs"]
+    assert omgs["hook"]["predicted_iteration_s"] > 0
+    assert omgs["hook"]["num_groups"] >= 1 and omgs["topk_median_s"] > 0
+    assert omgs["hook_median_s"] > omgs["topk_median_s"]
+    assert omgs["hook"]["replayed_prediction_s"] > 0
+    assert result["profile"]["comm"]["beta_s_per_byte"] > 0
+    text = doc.read_text()
+    assert "| OMGS-SGD (optimal merge) |" in text and "| resnet20 N=2 d=0.001 |" in text
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_convergence_quick_run(tmp_path):
+    results, doc, png = tmp_path / "c.json", tmp_path / "c.md", tmp_path / "c.png"
+    # a 20 Mbit/s network like the benchmark's ResNet-20 cluster: sparse groups pay there
+    profile = tmp_path / "slow.json"
+    profile.write_text(json.dumps({
+        "schema_version": 1, "world_size": 2, "backend": "gloo", "device": "cpu",
+        "comm": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7},
+        "dense": {"alpha_s": 5e-4, "beta_s_per_byte": 4e-7},
+        "topk": {"backend": "sampled", "c0": 2e-4, "c1": 3e-9, "c2": 0.0}}))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "convergence.py"), "--quick", "--results", str(results),
+         "--doc", str(doc), "--plot", str(png), "--profile", str(profile)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    runs = json.loads(results.read_text())["runs"]
+    assert sorted(r["config"] for r in runs) == ["allreduce", "omgs:0.01"]
+    for run in runs:
+        assert 0.0 <= run["final_test_accuracy"] <= 1.0 and len(run["step_loss"]) == 22
+    omgs = next(r for r in runs if r["config"] == "omgs:0.01")
+    # the hook really compressed: ~1% of the entries went out in the last step
+    assert 0.005 < omgs["last_step_density"] < 0.02
+    assert "| omgs:0.01 | 0 |" in doc.read_text() and png.stat().st_size > 1000
+
+
+def test_convergence_rejects_a_missing_profile(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        convergence.parse_args(["--profile", str(tmp_path / "nope.json")])
+    assert "no such file" in capsys.readouterr().err
