@@ -72,6 +72,10 @@ class StepExchange:
         self.error = None
         self.finished = False
         self.finish_wall = None
+        # host seconds spent in top-k selection and in the hook body this step (on CUDA
+        # these are launch times: the kernels run asynchronously)
+        self.topk_s = 0.0
+        self.hook_s = 0.0
 
         self._futures = []  # per bucket
         self._buffers = []
@@ -167,7 +171,9 @@ class StepExchange:
             values = torch.zeros(k, dtype=torch.float32, device=acc.device)
             indices = torch.arange(k, device=acc.device)
         else:
+            started = time.perf_counter()
             values, indices = self.selector.select(acc, k)
+            self.topk_s += time.perf_counter() - started
         payload = communicator.pack_sparse(values, indices, nonfinite=nonfinite)
         if not nonfinite:
             acc[indices] = 0.0  # what was sent leaves the residual; acc is now the residual

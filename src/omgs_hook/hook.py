@@ -38,6 +38,7 @@ inside a callback deadlocks gloo.
 
 import logging
 import math
+import time
 import warnings
 
 import torch
@@ -294,6 +295,7 @@ class OMGSState:
         return self.density >= 1.0 or self.step < self.warmup_steps
 
     def on_bucket(self, bucket):
+        entered = time.perf_counter()
         index = bucket.index()
         exchange = None
         try:
@@ -315,6 +317,7 @@ class OMGSState:
                 exchange.finish_issuing()
                 self._end_step(exchange)
             self.meter.bucket_done()
+            exchange.hook_s += time.perf_counter() - entered
         except BaseException as exc:
             if exchange is not None:
                 exchange.fail_all(exc)
@@ -464,6 +467,8 @@ class OMGSState:
             "group_dense": [r.dense for r in records],
             "nonfinite": exchange.nonfinite,
             "forward_backward_comm_s": (exchange.finish_wall - start) if start is not None else None,
+            "topk_s": exchange.topk_s,
+            "hook_s": exchange.hook_s,
         }
         t = self._totals
         t["steps"] += 1
@@ -479,7 +484,8 @@ class OMGSState:
 
         Returns a dict with ``"last"`` (bytes sent by this rank, elements, selected
         entries, achieved density, number of groups, dense groups, whether the step was
-        non-finite, measured forward+backward+communication seconds), ``"total"``
+        non-finite, measured forward+backward+communication seconds, host seconds in
+        top-k selection ``topk_s`` and in the hook body ``hook_s``), ``"total"``
         (the same summed, plus re-plans), ``"plan"`` (groups as bucket indices, modes,
         strategy, predicted iteration seconds), ``"backward_s_per_unit"`` (median
         measured per bucket), ``"forward_s"``, ``"measured_iteration_s"`` (forward start
