@@ -6,32 +6,23 @@ checked on hand-made inputs everywhere; the end-to-end ``--quick`` runs need roo
 torchrun on loopback for the convergence study.
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 
 
-def _load_script(name):
-    # by path: scripts/ on sys.path would let scripts/profile.py shadow stdlib `profile`
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-bench = _load_script("bench_cluster")
-convergence = _load_script("convergence")
-netem_cluster = _load_script("netem_cluster")
+bench = load_script("bench_cluster")
+convergence = load_script("convergence")
+netem_cluster = load_script("netem_cluster")
 UNAVAILABLE = netem_cluster.unavailable_reason()
 
 

@@ -4,7 +4,6 @@ Parsing and rate arithmetic run everywhere; everything that builds namespaces ne
 root, `ip` and `tc` and is skipped with the reason otherwise (CI runs as root).
 """
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -14,23 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def _load_script(name):
-    # loaded by path: putting scripts/ on sys.path would let scripts/profile.py shadow
-    # the standard library's `profile` for every later import in this test session
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-netem_cluster = _load_script("netem_cluster")
+netem_cluster = load_script("netem_cluster")
 Cluster, ClusterError = netem_cluster.Cluster, netem_cluster.ClusterError
 
 UNAVAILABLE = netem_cluster.unavailable_reason()

@@ -1,31 +1,19 @@
 """Tests for scripts/simulate.py, scripts/make_layer_profiles.py and the shipped profiles."""
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from omgs_hook.cost_model import Instance, LinearCost, selected_k
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def _load_script(name):
-    # loaded by path: putting scripts/ on sys.path would let scripts/profile.py shadow
-    # the standard library's `profile` for every later import in this test session
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-simulate = _load_script("simulate")
+simulate = load_script("simulate")
 
 PUBLISHED_NUMEL = {"resnet50": 25_557_032, "vgg16": 138_357_544, "inception_v3": 23_834_568}
 FIRST_READY = {"resnet50": "fc", "vgg16": "classifier.6", "inception_v3": "fc"}
@@ -55,12 +43,12 @@ def test_shipped_profiles_load_as_valid_instances(name):
 
 
 def test_shipped_profiles_are_what_the_generator_produces(capsys):
-    generator = _load_script("make_layer_profiles")
+    generator = load_script("make_layer_profiles")
     assert generator.main(["--check"]) == 0, capsys.readouterr().err
 
 
 def test_generator_check_detects_a_stale_profile(tmp_path, capsys):
-    generator = _load_script("make_layer_profiles")
+    generator = load_script("make_layer_profiles")
     assert generator.main(["--out", str(tmp_path), "vgg16"]) == 0
     path = tmp_path / "vgg16.json"
     profile = json.loads(path.read_text())
