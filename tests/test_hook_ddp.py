@@ -305,7 +305,9 @@ def test_gradients_match_reference_and_conserve(case):
     assert results[0]["bytes"] < results[0]["dense_bytes"]
     stats = results[0]["stats"]
     assert stats["last"]["groups"] == steps[-1]["groups"]
-    assert 0 < stats["last"]["topk_s"] < stats["last"]["hook_s"]
+    assert 0 <= stats["last"]["topk_s"] < stats["last"]["hook_s"]
+    if steps[-1]["dense"] < steps[-1]["groups"]:  # some group was sparsified
+        assert stats["last"]["topk_s"] > 0
     assert stats["total"]["compression"] > 1 and stats["total"]["steps"] == 7
     assert stats["measured_iteration_s"] > 0 and stats["predicted_iteration_s"] > 0
     assert len(stats["backward_s_per_unit"]) == steps[-1]["buckets"]
