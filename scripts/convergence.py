@@ -60,6 +60,9 @@ import time
 # imports cProfile; this script needs nothing from its own folder.
 _SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _SCRIPT_DIR]
+
+from omgs_hook.cli_types import integer_at_least  # noqa: E402  (after the sys.path fix)
+
 REPO_ROOT = os.path.dirname(_SCRIPT_DIR)
 TRAIN_SCRIPT = os.path.join(_SCRIPT_DIR, "train.py")
 DEFAULT_PROFILE = os.path.join(REPO_ROOT, "docs", "results", "profile_resnet20_n2_d0.001.json")
@@ -113,14 +116,7 @@ def _seeds(text):
     return list(dict.fromkeys(seeds))
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_positive_int = integer_at_least(1)
 
 
 def build_parser():

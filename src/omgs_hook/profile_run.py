@@ -54,7 +54,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from omgs_hook import communicator
+from omgs_hook import cli_types, communicator
 from omgs_hook.cost_model import selected_k
 from omgs_hook.fitting import fit_linear_relative, fit_topk
 from omgs_hook.profile_file import SCHEMA_VERSION, profile_from_dict
@@ -97,34 +97,9 @@ def parse_size_list(text):
     return sorted(set(sizes))
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _density(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
+_positive_int = cli_types.integer_at_least(1)
+_non_negative_int = cli_types.integer_at_least(0)
+_density = cli_types.density
 
 
 def build_parser():
