@@ -88,12 +88,12 @@ class StepExchange:
         self._last_comm_done = None
 
     # -- arrival ------------------------------------------------------------------
-    def add_bucket(self, bucket, keys):
-        """Register bucket ``bucket`` (DDP GradBucket) whose parameters have ``keys``."""
+    def add_bucket(self, bucket, keys, params):
+        """Register bucket ``bucket`` (DDP GradBucket): its ``params`` have ``keys``."""
         index = len(self.layout)
         grads = bucket.gradients()
         self.layout.append(tuple(keys))
-        for key, grad, param in zip(keys, grads, bucket.parameters()):
+        for key, grad, param in zip(keys, grads, params):
             self.arrived[key] = (index, grad.view(-1))
             if param.grad is None:
                 self.parked.add(key)
@@ -116,8 +116,9 @@ class StepExchange:
         self.sent.update(keys)
         residuals = [None if key in self.parked else self.memory.get(key) for key in keys]
         numel = sum(self.arrived[key][1].numel() for key in keys)
-        if dense and all(r is None for r in residuals) and self.whole_bucket(keys) is not None:
-            self._send_dense_inplace(keys, numel)
+        bucket_index = self.whole_bucket(keys) if dense else None
+        if bucket_index is not None and all(r is None for r in residuals):
+            self._send_dense_inplace(keys, numel, bucket_index)
         elif dense:
             self._send_dense(keys, residuals, numel)
         else:
@@ -138,10 +139,10 @@ class StepExchange:
             offset += n
         return acc
 
-    def _send_dense_inplace(self, keys, numel):
+    def _send_dense_inplace(self, keys, numel, bucket_index):
         # No residual and exactly one bucket: average the bucket buffer in place, like
         # DDP's default hook (divide first so fp16 sums do not overflow).
-        buffer = self._buffers[self.whole_bucket(keys)]
+        buffer = self._buffers[bucket_index]
         buffer.div_(self.world_size)
         record = GroupRecord(keys, True, numel, numel, numel * buffer.element_size())
         self._issue(communicator.allreduce_async(buffer, self.process_group),

@@ -188,7 +188,6 @@ class OMGSState:
             self._fitter = OnlineLinearFitter()
         self._comm_override = None
         self._coarse_warned = False
-        self._loaded_world_size = None
         self._last = None
         self._totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "elements": 0,
                         "selected": 0, "nonfinite_steps": 0, "replans": 0}
@@ -303,10 +302,11 @@ class OMGSState:
                 self._begin_step(bucket)
             exchange = self._exchange
             self.meter.bucket_arrived(index)
-            keys = [self._key(p) for p in bucket.parameters()]
-            for key, param in zip(keys, bucket.parameters()):
+            params = bucket.parameters()
+            keys = [self._key(p) for p in params]
+            for key, param in zip(keys, params):
                 self.memory.note_shape(key, param.shape)
-            future = exchange.add_bucket(bucket, keys)
+            future = exchange.add_bucket(bucket, keys, params)
             if self._in_dense_mode():
                 exchange.send_group(keys, dense=True)
             else:
@@ -383,7 +383,7 @@ class OMGSState:
             return True
         if self.step - self.plan.made_at_step >= self.replan_every:
             return True
-        settled_layout, streak = self._layout_streak
+        _, streak = self._layout_streak
         return layout != self.plan.layout and streak >= LAYOUT_SETTLE_STEPS
 
     def _replan(self, layout):
@@ -420,7 +420,6 @@ class OMGSState:
                 f"(checksums {checksums}); refusing to continue with mismatched collectives"
             )
         self.plan = plan
-        self._last_instance = instance
         self._totals["replans"] += 1
         logger.debug("omgs_hook: step %d new plan %s", self.step, plan.unit_groups())
 
