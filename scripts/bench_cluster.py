@@ -39,10 +39,10 @@ How one configuration (model, N ranks, link rate, density) is measured:
 4. Every step is timed on every rank (forward, backward incl. waiting for the
    gradients, optimiser step); after each block the per-step times are all-reduced with
    MAX, because a synchronous step is as slow as its slowest rank. The sparse hooks'
-   top-k time is measured by wrapping their selector and reported separately
-   (``topk_s``), as is all the work the hook does on the autograd thread (``hook_s``:
-   top-k plus assembling, checking and packing each group) and the optimiser step,
-   which the planner's model does not contain.
+   top-k time (``topk_s``) and all the work the hook does on the autograd thread
+   (``hook_s``: top-k plus assembling, checking and packing each group) come from the
+   hook's own per-step timers (``stats()["last"]``) and are reported separately, as is
+   the optimiser step.
 
 Fairness rules: ``broadcast_buffers`` is off for every variant (it would add one
 collective per forward for BatchNorm buffers); one thread per rank; identical
@@ -298,59 +298,6 @@ def parse_args(argv=None):
 # =====================================================================================
 
 
-class TimedSelector:
-    """Wraps a top-k selector and adds up the seconds its ``select`` calls take.
-
-    The hook calls ``select`` on the autograd thread only, so no lock is needed.
-    """
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.name = inner.name
-        self.seconds = 0.0
-
-    def select(self, x, k):
-        started = time.perf_counter()
-        try:
-            return self.inner.select(x, k)
-        finally:
-            self.seconds += time.perf_counter() - started
-
-    def take(self):
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
-
-    def __getattr__(self, name):  # stats() and anything else the hook may ask for
-        return getattr(self.inner, name)
-
-
-class HookStopwatch:
-    """Adds up the seconds an OMGS state spends in its per-bucket hook call.
-
-    That is the hook's work on the autograd thread - assembling gradient + residual,
-    the NaN check, top-k, packing, issuing the collective - during which backward
-    computation waits. (Unpacking and writing back run in collective callbacks on gloo
-    threads and are not included.) Installed as an instance attribute that shadows
-    ``OMGSState.on_bucket``, which ``omgs_hook(state, bucket)`` calls.
-    """
-
-    def __init__(self, state):
-        self.inner = state.on_bucket
-        self.seconds = 0.0
-        state.on_bucket = self
-
-    def __call__(self, bucket):
-        started = time.perf_counter()
-        try:
-            return self.inner(bucket)
-        finally:
-            self.seconds += time.perf_counter() - started
-
-    def take(self):
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
-
-
 class Variant:
     """One compared configuration: its model, DDP wrapper, hook state and optimiser."""
 
@@ -364,24 +311,10 @@ class Variant:
         self.local_only = local_only
         self.hook_state = hook_state
         self.bucket_cap_mb = bucket_cap_mb
-        self.selector = None
-        self.stopwatch = HookStopwatch(hook_state) if name in SPARSE_STRATEGIES else None
         self.steps_run = 0
         self.round_medians = []  # per round: median slowest-rank iteration seconds
         # per timed step, slowest rank: (iteration_s, optimizer_s, topk_s, hook_s)
         self.times = []
-
-    def attach_selector_timer(self):
-        """Wrap the OMGS state's selector once it exists (it is created at the first step)."""
-        state = self.hook_state
-        if state is None or not hasattr(state, "_selector") or self.selector is not None:
-            return
-        if state._selector is None:
-            return
-        # omgs_hook has no public per-step top-k timer; wrapping the selector it builds
-        # at its first step is the least intrusive way to time exactly the selection.
-        self.selector = TimedSelector(state._selector)
-        state._selector = self.selector
 
 
 def _ddp_options(torch_ddp):
@@ -488,9 +421,11 @@ def run_step(variant, batch):
     if not math.isfinite(loss.item()):
         raise FloatingPointError(f"{variant.name}: loss became {loss.item()}")
     variant.steps_run += 1
-    topk = variant.selector.take() if variant.selector is not None else 0.0
-    hook = variant.stopwatch.take() if variant.stopwatch is not None else 0.0
-    variant.attach_selector_timer()
+    topk = hook = 0.0
+    if variant.name in SPARSE_STRATEGIES:
+        # the hook's own per-step timers: host seconds in top-k and in its per-bucket calls
+        last = variant.hook_state.stats()["last"] or {}
+        topk, hook = last.get("topk_s", 0.0), last.get("hook_s", 0.0)
     return finished - started, finished - backward_done, topk, hook
 
 
@@ -517,28 +452,18 @@ def replayed_prediction(variant):
     import torch
     import torch.distributed as dist
 
-    from omgs_hook.cost_model import Instance, Unit
     from omgs_hook.planner import evaluate
 
     state = variant.hook_state
-    stats = state.stats()
     plan = state.plan
-    backward = stats["backward_s_per_unit"]
-    usable = plan is not None and len(backward) == len(plan.layout)
-    row = torch.tensor([float(usable)] + [stats["forward_s"]] + (list(backward) if usable else
-                                                                 [0.0] * len(plan.layout)),
-                       dtype=torch.float64)
-    dist.all_reduce(row)
-    if row[0].item() < dist.get_world_size():
+    usable = plan is not None and state.meter.layout == plan.layout
+    flag = torch.tensor([float(usable)], dtype=torch.float64)
+    dist.all_reduce(flag)
+    if flag.item() < dist.get_world_size():
         return None
-    mean = (row / dist.get_world_size()).tolist()
-    numel = {name: p.numel() for name, p in variant.module.named_parameters()}
-    units = tuple(Unit(numel=sum(numel[key] for key in bucket), backward_s=b)
-                  for bucket, b in zip(plan.layout, mean[2:]))
-    instance = Instance(layers=units, world_size=dist.get_world_size(), density=state.density,
-                        forward_s=mean[1], comm=state.profile.comm,
-                        topk=state.profile.topk_for(variant.selector.name),
-                        dense=state.profile.dense if state.allow_dense else None)
+    # the hook's own planning input (rank-averaged backward, forward, tail, per-group
+    # overhead), built from the measurement window = the timed steps
+    instance = state.measured_instance(plan.layout)
     return evaluate(instance, plan.unit_groups(), dense=list(plan.dense)).predicted_iteration_s
 
 
@@ -582,14 +507,20 @@ def warmup_steps_for(name, hook_warmup_steps):
     """Untimed steps before a variant's first timed step.
 
     DDP needs two iterations to settle its buckets; the hooks add their dense warm-up
-    (at whose end the OMGS plan is made, PowerSGD starts compressing); then
-    SETTLE_STEPS on the final configuration. The compute reference needs one step.
+    (at whose end the OMGS plan is made, PowerSGD starts compressing); our sparse hooks
+    re-plan once more OVERHEAD_SETTLE_STEPS later, with their own per-group work
+    measured; then SETTLE_STEPS on the final configuration. The compute reference needs
+    one step.
     """
+    from omgs_hook.hook import OVERHEAD_SETTLE_STEPS
+
     if name == REFERENCE:
         return 1
     if name == "allreduce":
         return DDP_SETUP_STEPS + SETTLE_STEPS
-    return max(DDP_SETUP_STEPS, hook_warmup_steps) + SETTLE_STEPS
+    if name == "powersgd":
+        return max(DDP_SETUP_STEPS, hook_warmup_steps) + SETTLE_STEPS
+    return max(DDP_SETUP_STEPS, hook_warmup_steps) + OVERHEAD_SETTLE_STEPS + SETTLE_STEPS
 
 
 def run_worker(config_path):
@@ -728,11 +659,6 @@ def analyse(result):
         if replayed is not None:
             out["replayed_s"] = replayed
             out["replayed_prediction_error"] = (replayed - omgs) / omgs
-        opt = variants["omgs"].get("optimizer_median_s")
-        if opt is not None:
-            # the planner's timeline ends when the last gradient is exchanged; the
-            # optimiser step that follows is not part of its model
-            out["prediction_error_without_optimizer"] = (predicted - (omgs - opt)) / (omgs - opt)
     return out
 
 
@@ -982,10 +908,11 @@ def render_tables(results, plot_name):
                "all their work on the autograd thread (top-k, assembling gradient + residual, "
                "the NaN check, packing; not the write-back, which runs in gloo threads), "
                "`opt` the optimiser step. `predicted` is the planner's iteration time for the "
-               "plan in use, made from the backward/forward times measured in the hook's "
-               "dense warm-up (it models forward, backward, top-k and the exchange, not the "
-               "optimiser step); `replayed` evaluates the same plan with the cost model fed "
-               "with the times measured during the timed steps instead.\n")
+               "plan in use, made in the untimed warm-up from the times the hook measured "
+               "there (forward, per-bucket backward, its own per-group work, the step's tail "
+               "- optimiser, zero_grad - and the profile's collective and top-k costs); "
+               "`replayed` evaluates the same plan with the hook's measurements of the timed "
+               "steps instead.\n")
     for r in results:
         s = r["settings"]
         a = r["analysis"]
@@ -1045,15 +972,14 @@ def render_tables(results, plot_name):
                "communication and sparsification.\n")
     out.append("| configuration | omgs vs best of topk/lags (>= 1.3x) | ceiling | omgs vs "
                "allreduce (>= 2x on the communication-bound model) | predicted vs measured "
-               "(within 15%) | same, without the optimiser step | replayed vs measured |")
-    out.append("|---|---|---|---|---|---|---|")
+               "(within 15%) | replayed vs measured |")
+    out.append("|---|---|---|---|---|---|")
     for r in results:
         a = r["analysis"]
         name = f"{r['model']} N={r['nodes']} d={r['density']:g}{_dense_note(r)}"
         vs_sparse = a.get("speedup_vs_best_sparse")
         vs_dense = a.get("speedup_vs_allreduce")
         err = a.get("prediction_error")
-        err2 = a.get("prediction_error_without_optimizer")
         err3 = a.get("replayed_prediction_error")
         cells = [
             "-" if vs_sparse is None else
@@ -1063,8 +989,6 @@ def render_tables(results, plot_name):
             "-" if vs_dense is None else
             f"{vs_dense:.2f}x {_verdict(vs_dense >= TARGET_SPEEDUP_VS_ALLREDUCE)}",
             "-" if err is None else f"{_pct(err)} {_verdict(abs(err) <= TARGET_PREDICTION_ERROR)}",
-            "-" if err2 is None else
-            f"{_pct(err2)} {_verdict(abs(err2) <= TARGET_PREDICTION_ERROR)}",
             "-" if err3 is None else
             f"{_pct(err3)} {_verdict(abs(err3) <= TARGET_PREDICTION_ERROR)}",
         ]

@@ -133,6 +133,9 @@ BAD_INSTANCES = [
     (("density",), "0.01", "density"),
     (("forward_s",), -0.01, "forward_s"),
     (("forward_s",), None, "forward_s"),
+    (("tail_s",), -0.5, "tail_s"),
+    (("tail_s",), True, "tail_s"),
+    (("tail_s",), float("inf"), "tail_s"),
     (("comm",), _DELETE, "comm"),
     (("comm",), 0.002, "comm"),
     (("comm", "alpha_s"), -1.0, "comm.alpha_s"),
@@ -211,6 +214,17 @@ def test_simulate_follows_the_recurrence_by_hand():
     assert timeline.comm_end_s == pytest.approx(e2, rel=1e-14)
     assert timeline.predicted_iteration_s == pytest.approx(0.01 + e2, rel=1e-14)
     assert timeline.non_overlapped_s == pytest.approx(e2 - 0.0033, rel=1e-12)
+
+
+def test_tail_is_added_to_every_plan_and_round_trips():
+    base = Instance.from_dict(instance_dict())
+    tailed = Instance.from_dict(instance_dict(tail_s=0.25))
+    assert base.tail_s == 0.0 and "tail_s" not in base.to_dict()
+    assert Instance.from_dict(tailed.to_dict()) == tailed
+    for groups in ([[0, 1], [2]], [[0], [1], [2]], [[0, 1, 2]]):
+        a, b = simulate(base, groups), simulate(tailed, groups)
+        assert b.predicted_iteration_s == pytest.approx(a.predicted_iteration_s + 0.25, rel=1e-14)
+        assert b.non_overlapped_s == a.non_overlapped_s  # the tail is not exchange time
 
 
 def test_simulate_network_waits_for_the_previous_collective():

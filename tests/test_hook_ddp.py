@@ -179,6 +179,8 @@ def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second):
     train_steps(ddp, opt, first, first + second, rank)
     uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan_used = state.stats()["plan"]
+    replans = state.stats()["total"]["replans"]
+    planned_with = state.stats()["planned_with"]
     del ddp, state, model, opt
     gc.collect()
 
@@ -197,6 +199,8 @@ def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second):
         "max_diff": max(float((uninterrupted[n] - resumed[n]).abs().max()) for n in uninterrupted),
         "residual_norm_loaded": residual_norm_loaded,
         "plan": plan_used,
+        "replans": replans,
+        "planned_with": planned_with,
     }
 
 
@@ -278,7 +282,7 @@ def dead_rank_worker(rank, world_size, mode):
 
 # ----------------------------------------------------------------------------- tests
 REFERENCE_CASES = {
-    "single-group": ({"strategy": "single", "warmup_steps": 1, "log_every": 3}, {}),
+    "single-group": ({"strategy": "single", "warmup_steps": 1, "log_every": 3, "allow_dense": False}, {}),
     "layerwise-bucket-view": ({"strategy": "layerwise", "warmup_steps": 0},
                               {"gradient_as_bucket_view": True}),
     "threshold-static-graph": ({"strategy": "threshold:2500", "warmup_steps": 0},
@@ -363,10 +367,14 @@ def test_four_ranks_match_reference():
 @pytest.mark.parametrize("strategy", ["layerwise", "optimal"])
 def test_resume_is_bit_identical(tmp_path, strategy):
     results = run_ranks("test_hook_ddp", "resume_worker", world_size=2,
-                        hook_options={"strategy": strategy, "warmup_steps": 2, "replan_every": 1000},
-                        ckpt_dir=str(tmp_path), first=5, second=5)
+                        hook_options={"strategy": strategy, "warmup_steps": 2, "replan_every": 1000,
+                                      "allow_dense": False},
+                        ckpt_dir=str(tmp_path), first=8, second=4)
     for r in results:
         assert r["residual_norm_loaded"] > 0  # the checkpoint really carried error feedback
+        # the first plan (step 2) and the one made with the measured group overhead (step 7)
+        assert r["replans"] == 2 and r["planned_with"]["overhead_measured"], r
+        assert r["planned_with"]["tail_s"] > 0 and r["planned_with"]["group_overhead_s"] > 0, r
         assert r["identical"], r["max_diff"]
 
 

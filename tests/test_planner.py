@@ -442,3 +442,15 @@ def test_search_budget_falls_back_with_a_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", SearchBudgetWarning)
         assert make_plan(inst) == exact
+
+
+def test_the_tail_moves_every_prediction_but_never_the_plan():
+    rng = np.random.default_rng(7)
+    for dense in (False, True):
+        for _ in range(20):
+            inst = random_instance(rng, int(rng.integers(2, 30)), dense)
+            tailed = dataclasses.replace(inst, tail_s=0.125)
+            for strategy in ("optimal", "greedy", "layerwise", "single"):
+                a, b = make_plan(inst, strategy), make_plan(tailed, strategy)
+                assert (a.groups, a.dense) == (b.groups, b.dense)
+                assert b.predicted_iteration_s == pytest.approx(a.predicted_iteration_s + 0.125)

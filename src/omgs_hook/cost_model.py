@@ -26,9 +26,20 @@ done and the previous collective has finished:
 
 * compute:  ``c_0 = 0``,  ``c_j = c_{j-1} + B_j + t_s(D_j)``
 * network:  ``e_0 = 0``,  ``e_j = max(e_{j-1}, c_j) + t_c(D_j)``
-* ``predicted_iteration_s = forward_s + e_m``
+* ``predicted_iteration_s = forward_s + e_m + tail_s``
 * ``non_overlapped_s = e_m - sum_j B_j`` (time the iteration spends on sparsification and
   communication beyond the backward pass itself)
+
+``tail_s`` (optional, default 0) is everything from the end of the last collective to
+the next forward pass: DDP's finalisation, the optimiser step, ``zero_grad`` and loading
+the next batch. It is the same for every plan, so it never changes which plan is best;
+it makes ``predicted_iteration_s`` comparable with a measured iteration (forward start
+to forward start). The hook measures it while training.
+
+The hook also folds its own per-group work on the compute stream (assembling gradient +
+residual, the NaN check, packing, issuing the collective) into the top-k cost it plans
+with: that work has the same form, a fixed part per group plus a part per element (see
+docs/cost-model.md).
 
 Optional dense mode (beyond the paper): when the instance carries ``dense`` (a second
 :class:`LinearCost` fitted for all-reduce), a group may instead be sent as a dense
@@ -239,6 +250,8 @@ class Instance:
             gradient element for the dense mode and for ``threshold:BYTES`` plans.
         dense: optional cost of a dense all-reduce; when given, the planner may send a
             group dense where that is cheaper.
+        tail_s: time from the end of the last collective to the next forward (DDP's
+            finalisation, optimiser step, data); added to every plan's prediction.
     """
 
     layers: Tuple[Unit, ...]
@@ -250,6 +263,7 @@ class Instance:
     value_bytes: int = 4
     index_bytes: int = 4
     dense: Optional[LinearCost] = None
+    tail_s: float = 0.0
 
     def __post_init__(self):
         layers = self.layers
@@ -267,6 +281,7 @@ class Instance:
             raise InstanceError("density", f"must be in (0, 1], got {density!r}")
         object.__setattr__(self, "density", density)
         object.__setattr__(self, "forward_s", _number(self.forward_s, "forward_s"))
+        object.__setattr__(self, "tail_s", _number(self.tail_s, "tail_s"))
         for name, kind in (("comm", LinearCost), ("topk", TopkCost)):
             if not isinstance(getattr(self, name), kind):
                 raise InstanceError(
@@ -301,7 +316,7 @@ class Instance:
     # -- JSON form ------------------------------------------------------------------------
 
     _KEYS = ("layers", "world_size", "density", "forward_s", "comm", "topk")
-    _OPTIONAL = ("value_bytes", "index_bytes", "dense")
+    _OPTIONAL = ("value_bytes", "index_bytes", "dense", "tail_s")
 
     @classmethod
     def from_dict(cls, d) -> "Instance":
@@ -338,6 +353,7 @@ class Instance:
             value_bytes=_positive_int(d.get("value_bytes", 4), "value_bytes"),
             index_bytes=_positive_int(d.get("index_bytes", 4), "index_bytes"),
             dense=None if dense is None else LinearCost.from_dict(dense, "dense"),
+            tail_s=_number(d.get("tail_s", 0.0), "tail_s"),
         )
 
     def to_dict(self) -> dict:
@@ -353,6 +369,8 @@ class Instance:
         }
         if self.dense is not None:
             d["dense"] = self.dense.to_dict()
+        if self.tail_s:
+            d["tail_s"] = self.tail_s
         return d
 
 
@@ -365,7 +383,7 @@ class Timeline:
     """Result of :func:`simulate`.
 
     ``compute_end_s`` (``c_m``) and ``comm_end_s`` (``e_m``) are measured from the start
-    of backward; ``predicted_iteration_s = forward_s + comm_end_s``.
+    of backward; ``predicted_iteration_s = forward_s + comm_end_s + tail_s``.
     """
 
     predicted_iteration_s: float
@@ -467,7 +485,7 @@ def simulate(inst: Instance, groups, dense=None) -> Timeline:
             compute += backward + inst.topk_time(numel)
             network = max(network, compute) + inst.sparse_comm_time(numel)
     return Timeline(
-        predicted_iteration_s=inst.forward_s + network,
+        predicted_iteration_s=inst.forward_s + network + inst.tail_s,
         non_overlapped_s=network - backward_total,
         compute_end_s=compute,
         comm_end_s=network,

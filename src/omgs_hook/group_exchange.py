@@ -76,6 +76,12 @@ class StepExchange:
         # these are launch times: the kernels run asynchronously)
         self.topk_s = 0.0
         self.hook_s = 0.0
+        # per sparse group: (elements, assembling + NaN-check seconds, packing + issuing
+        # seconds) - the hook's own cost besides top-k (measurements.GroupOverheadMeter)
+        self.overhead_samples = []
+        # per sparse group: (elements, seconds) of the receive side - unpacking, the
+        # scatter-add, averaging, writing back - on the collective's completion thread
+        self.writeback_samples = []
 
         self._futures = []  # per bucket
         self._buffers = []
@@ -161,6 +167,7 @@ class StepExchange:
                 f"a group of {numel} elements exceeds the int32 index range; use a plan "
                 "with smaller groups (e.g. strategy='threshold:...')"
             )
+        started = time.perf_counter()
         acc = self._assemble(keys, residuals, numel)
         k = selected_k(numel, self.density)  # the planner's own k, bit for bit
         # A non-finite input must not reach the residual nor the selector: flag it and
@@ -168,13 +175,13 @@ class StepExchange:
         nonfinite = not bool(torch.isfinite(acc.sum()))
         if nonfinite and bool(torch.isfinite(acc).all()):
             nonfinite = False  # the sum overflowed, the entries are finite
+        selecting = time.perf_counter()
         if nonfinite:
             values = torch.zeros(k, dtype=torch.float32, device=acc.device)
             indices = torch.arange(k, device=acc.device)
         else:
-            started = time.perf_counter()
             values, indices = self.selector.select(acc, k)
-            self.topk_s += time.perf_counter() - started
+        selected = time.perf_counter()
         payload = communicator.pack_sparse(values, indices, nonfinite=nonfinite)
         if not nonfinite:
             acc[indices] = 0.0  # what was sent leaves the residual; acc is now the residual
@@ -182,6 +189,11 @@ class StepExchange:
         future, gathered = communicator.allgather_async(payload, self.process_group)
         self._issue((future, gathered),
                     lambda: self._finish_sparse(keys, acc, gathered, k, numel, record), record)
+        if not nonfinite:
+            self.topk_s += selected - selecting
+            # the rest of the group's work on this thread, for the cost model
+            self.overhead_samples.append(
+                (numel, selecting - started, time.perf_counter() - selected))
 
     def _issue(self, future_or_pair, finish, record):
         future = future_or_pair[0] if isinstance(future_or_pair, tuple) else future_or_pair
@@ -236,6 +248,7 @@ class StepExchange:
                 self.memory.stage(key, None)  # the residual went out with the dense sum
 
     def _finish_sparse(self, keys, acc, gathered, k, numel, record):
+        started = time.perf_counter()
         values, indices, nonfinite_any = communicator.unpack_gathered(gathered, self.world_size, k)
         if nonfinite_any:
             # Every rank fills the group with NaN so an AMP GradScaler skips the step;
@@ -253,6 +266,8 @@ class StepExchange:
             if key not in self.parked:
                 self.memory.stage(key, acc[offset:offset + n])
             offset += n
+        if not nonfinite_any:
+            self.writeback_samples.append((numel, time.perf_counter() - started))
 
     def _group_done(self, keys):
         ready = []

@@ -27,9 +27,12 @@ Planning: the first ``warmup_steps`` steps run dense all-reduce per bucket while
 hook measures each bucket's backward time. Then the OMGS optimiser
 (:mod:`omgs_hook.planner`) computes the plan from the per-bucket measurements averaged
 over ranks, the profile's collective cost ``alpha + beta * bytes`` and top-k cost
-``c0 + c1*D + c2*D*log2(D)``, and re-computes it every ``replan_every`` steps (and when
-DDP's bucket layout changed for good). All ranks derive the plan from the same
-all-gathered numbers and compare a checksum; a mismatch raises.
+``c0 + c1*D + c2*D*log2(D)`` plus the hook's own measured per-group work (on CPU),
+and the measured tail of the step (optimiser, data). It re-computes the plan once
+``OVERHEAD_SETTLE_STEPS`` steps after the first one (the first plan cannot know what a
+sparse group costs the hook), every ``replan_every`` steps, and when DDP's bucket layout
+changed for good. All ranks derive the plan from the same all-gathered numbers and
+compare a checksum; a mismatch raises.
 
 Collectives are issued only from the hook itself (the autograd thread), in plan order,
 identically on every rank. Future callbacks do local work only: a collective or wait
@@ -47,10 +50,10 @@ import torch.distributed as dist
 from . import communicator
 from . import planner as planner_mod
 from . import topk as topk_mod
-from .cost_model import Instance, LinearCost, Unit
+from .cost_model import Instance, LinearCost, TopkCost, Unit
 from .group_exchange import StepExchange
 from .group_plan import GroupPlan
-from .measurements import BackwardMeter
+from .measurements import BackwardMeter, GroupOverheadMeter, slowest_rank_timeline
 from .profile_file import Profile, default_profile, load_profile, profile_mismatches
 from .residual_memory import ResidualMemory
 
@@ -62,6 +65,9 @@ WORLD_SIZE_POLICIES = ("error", "reset")
 # A bucket layout that differs from the plan's must persist this many steps before it
 # forces a re-plan: DDP's one-bucket iterations after a (re)start are transient.
 LAYOUT_SETTLE_STEPS = 3
+# The first plan is made before any sparse group was sent, so the hook's own per-group
+# work is unknown to it; this many steps later the plan is made once more with it.
+OVERHEAD_SETTLE_STEPS = 5
 
 
 def _check_int(name, value, minimum):
@@ -174,6 +180,10 @@ class OMGSState:
 
         self.memory = ResidualMemory()
         self.meter = BackwardMeter(window=measure_window)
+        self.overhead = GroupOverheadMeter()
+        self.writeback = GroupOverheadMeter()
+        self._awaiting_overhead = False
+        self._planned_with = None
         self.plan = None
         self.step = 0
         self._selector = None
@@ -189,6 +199,7 @@ class OMGSState:
         self._comm_override = None
         self._coarse_warned = False
         self._last = None
+        self._last_exchange = None
         self._totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "elements": 0,
                         "selected": 0, "nonfinite_steps": 0, "replans": 0}
         self._hooks = []
@@ -263,6 +274,7 @@ class OMGSState:
             "strategy": self.strategy,
             "warmup_steps": repr(self.warmup_steps),
             "replan_every": repr(self.replan_every),
+            "measure_window": repr(self.meter.window),
             "allow_dense": repr(self.allow_dense),
             "refit_online": repr(self.refit_online),
             "nonfinite": self.nonfinite,
@@ -307,16 +319,18 @@ class OMGSState:
             for key, param in zip(keys, params):
                 self.memory.note_shape(key, param.shape)
             future = exchange.add_bucket(bucket, keys, params)
+            last = bucket.is_last()
+            self.meter.sends_started()
             if self._in_dense_mode():
                 exchange.send_group(keys, dense=True)
             else:
                 self._send_ready_groups(exchange)
-            if bucket.is_last():
-                if not self._in_dense_mode():
+                if last:
                     self._flush(exchange)
+            self.meter.sends_finished()
+            if last:
                 exchange.finish_issuing()
                 self._end_step(exchange)
-            self.meter.bucket_done()
             exchange.hook_s += time.perf_counter() - entered
         except BaseException as exc:
             if exchange is not None:
@@ -371,7 +385,7 @@ class OMGSState:
 
     def _end_step(self, exchange):
         layout = tuple(exchange.layout)
-        self.meter.end_step(layout)
+        self.meter.end_step(layout, step=self.step)
         previous, streak = self._layout_streak
         self._layout_streak = (layout, streak + 1 if previous == layout else 1)
         self.step += 1
@@ -381,36 +395,111 @@ class OMGSState:
     def _replan_due(self, layout):
         if self.plan is None:
             return True
-        if self.step - self.plan.made_at_step >= self.replan_every:
+        since = self.step - self.plan.made_at_step
+        if since >= self.replan_every:
+            return True
+        if self._awaiting_overhead and since >= OVERHEAD_SETTLE_STEPS:
             return True
         _, streak = self._layout_streak
         return layout != self.plan.layout and streak >= LAYOUT_SETTLE_STEPS
 
-    def _replan(self, layout):
-        """Compute the plan for ``layout`` from rank-averaged measurements (blocking)."""
+    def measured_instance(self, layout=None):
+        """The planner's input from this step's measurements, averaged over ranks.
+
+        Per-bucket backward times, forward and tail times (medians over the measurement
+        window), the profile's collective costs (or the online refit) and its top-k cost
+        plus the hook's measured per-group work. Every rank gets the identical instance.
+        Collective: every rank must call it at the same point. ``layout`` defaults to the
+        bucket layout of the current measurements.
+        """
+        layout = self.meter.layout if layout is None else layout
+        if not layout:
+            raise RuntimeError("omgs_hook: no measured step yet, nothing to plan")
+        return self._build_instance(layout)[0]
+
+    def _build_instance(self, layout):
         backward = self.meter.backward_s() if self.meter.layout == layout else []
         if len(backward) != len(layout):
             backward = [0.0] * len(layout)
-        local = list(backward) + [self.meter.forward_s()]
+        local = list(backward) + [self.meter.forward_s(), self.meter.tail_s()]
         fit = self._fitter.fit() if self._fitter is not None else None
         local += [fit.alpha_s, fit.beta_s_per_byte, 1.0] if fit is not None else [0.0, 0.0, 0.0]
+        # the hook's own per-group work is timed on the host: meaningful on CPU only (on
+        # CUDA the kernels run asynchronously and the profile's top-k cost stands alone)
+        on_host = self._device is None or self._device.type == "cpu"
+        overhead = self.overhead.estimate() if on_host else None
+        local += list(overhead) + [1.0] if overhead is not None else [0.0, 0.0, 0.0]
+        writeback = self.writeback.estimate() if on_host else None
+        local += list(writeback) + [1.0] if writeback is not None else [0.0, 0.0, 0.0]
         rows = self._gather_rows(local)
         mean = [float(x) for x in rows.mean(dim=0)]  # same order on every rank: identical
+        n = len(layout)
+        backward_s, forward_s, tail_s = mean[:n], mean[n], mean[n + 1]
+        slowest = self._slowest_rank_timeline(layout)
+        if slowest is not None:
+            tail_s, forward_s, backward_s = slowest[0], slowest[1], slowest[2:]
         comm = self.profile.comm
-        if self._fitter is not None and float(rows[:, -1].min()) > 0:
-            comm = LinearCost(alpha_s=max(0.0, mean[-3]), beta_s_per_byte=max(0.0, mean[-2]))
-        self._comm_override = comm if comm is not self.profile.comm else None
+        if self._fitter is not None and float(rows[:, n + 4].min()) > 0:
+            comm = LinearCost(alpha_s=max(0.0, mean[n + 2]), beta_s_per_byte=max(0.0, mean[n + 3]))
+        topk = self.profile.topk_for(self._selector.name)
+        overhead_known = float(rows[:, n + 7].min()) > 0
+        per_group, per_element = (max(0.0, mean[n + 5]), max(0.0, mean[n + 6])) if overhead_known \
+            else (0.0, 0.0)
+        network = comm  # what the network itself costs (the profile's, or the online refit)
+        writeback_known = float(rows[:, n + 10].min()) > 0
+        wb_group, wb_element = (max(0.0, mean[n + 8]), max(0.0, mean[n + 9])) if writeback_known \
+            else (0.0, 0.0)
+        if wb_group or wb_element:
+            # The receive side (scatter-add, averaging, write-back) follows each sparse
+            # collective before its gradients are usable: ``w0 + w1 * D``. With
+            # ``D ~ k / density`` it is linear in the bytes sent, so it joins the
+            # collective's alpha and beta (exact up to the ceil in k).
+            per_byte = wb_element / (self.density * 8)  # 4-byte value + 4-byte index per entry
+            comm = LinearCost(alpha_s=comm.alpha_s + wb_group,
+                              beta_s_per_byte=comm.beta_s_per_byte + per_byte)
         numels = [sum(math.prod(self._shapes[k]) for k in bucket) for bucket in layout]
-        self._warn_if_coarse(layout, numels)
         instance = Instance(
-            layers=tuple(Unit(numel=n, backward_s=b) for n, b in zip(numels, mean[: len(layout)])),
+            layers=tuple(Unit(numel=u, backward_s=b) for u, b in zip(numels, backward_s)),
             world_size=self.world_size,
             density=self.density,
-            forward_s=mean[len(layout)],
+            forward_s=forward_s,
             comm=comm,
-            topk=self.profile.topk_for(self._selector.name),
+            # a sparse group's work on the compute stream has top-k's form: fixed + per element
+            topk=TopkCost(c0=topk.c0 + per_group, c1=topk.c1 + per_element, c2=topk.c2),
             dense=self.profile.dense if self.allow_dense else None,
+            tail_s=tail_s,
         )
+        inputs = {"forward_s": forward_s, "tail_s": tail_s, "group_overhead_s": per_group,
+                  "group_overhead_s_per_element": per_element,
+                  "overhead_measured": overhead_known,
+                  "writeback_s": wb_group, "writeback_s_per_element": wb_element,
+                  "comm_override": network if network is not self.profile.comm else None}
+        return instance, inputs
+
+    def _slowest_rank_timeline(self, layout):
+        """``[tail, forward, backward per bucket]`` of the slowest rank per step, or None
+        (see :func:`~omgs_hook.measurements.slowest_rank_timeline`). Collective."""
+        width = len(layout) + 2
+        own = self.meter.timelines() if self.meter.layout == layout else []
+        table = torch.full((self.meter.window, width + 1), -1.0, dtype=torch.float64)
+        for i, (step, row) in enumerate(own[-self.meter.window:]):
+            if len(row) == width:
+                table[i, 0] = step
+                table[i, 1:] = torch.tensor(row, dtype=torch.float64)
+        gathered = self._gather_rows(table.view(-1).tolist()).view(
+            self.world_size, self.meter.window, width + 1)
+        per_rank = [[(int(r[0]), r[1:].tolist()) for r in rank_rows if r[0] >= 0]
+                    for rank_rows in gathered]
+        return slowest_rank_timeline(per_rank)
+
+    def _replan(self, layout):
+        """Compute the plan for ``layout`` from rank-averaged measurements (blocking)."""
+        instance, inputs = self._build_instance(layout)
+        overhead_known = inputs["overhead_measured"]
+        self._comm_override = inputs.pop("comm_override")
+        self._planned_with = inputs
+        numels = [u.numel for u in instance.layers]
+        self._warn_if_coarse(layout, numels)
         unit_plan = planner_mod.make_plan(instance, self.strategy)
         plan = GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=self.step)
         checksums = self._gather_rows([plan.checksum()], dtype=torch.int64)[:, 0].tolist()
@@ -420,6 +509,10 @@ class OMGSState:
                 f"(checksums {checksums}); refusing to continue with mismatched collectives"
             )
         self.plan = plan
+        # re-plan once more when the hook's own per-group work is still unknown and the
+        # plan sends something sparse (decided from gathered numbers: identical on all ranks)
+        self._awaiting_overhead = (not overhead_known and not self._awaiting_overhead
+                                   and not all(plan.dense))
         self._totals["replans"] += 1
         logger.debug("omgs_hook: step %d new plan %s", self.step, plan.unit_groups())
 
@@ -446,6 +539,11 @@ class OMGSState:
             self._totals["nonfinite_steps"] += 1
         if exchange.error is not None:
             return
+        self.meter.step_finished(exchange.finish_wall)
+        for sample in exchange.overhead_samples:
+            self.overhead.add(*sample)
+        for numel, seconds in exchange.writeback_samples:
+            self.writeback.add(numel, seconds, 0.0)
         records = exchange.records
         numel = sum(r.numel for r in records)
         selected = sum(r.selected for r in records)
@@ -453,6 +551,7 @@ class OMGSState:
         dense_bytes = sum(r.numel * 4 for r in records)
         start = self.meter.wall_step_start
         step_number = exchange.step_number
+        self._last_exchange = exchange
         self._last = {
             "step": step_number,
             "bytes_sent": nbytes,
@@ -478,6 +577,17 @@ class OMGSState:
         if self.log_every and step_number % self.log_every == 0:
             logger.info("omgs_hook: %s", self.summary_line(step_number))
 
+    def _last_with_hook_time(self):
+        if not self._last:
+            return None
+        last = dict(self._last)
+        exchange = self._last_exchange
+        if exchange is not None and exchange.step_number == last["step"]:
+            # read now: the last bucket's hook call may have been still running when the
+            # step finished (collective callbacks can complete it first)
+            last["hook_s"] = exchange.hook_s
+        return last
+
     def stats(self):
         """Metrics of the last completed step and cumulative totals.
 
@@ -487,8 +597,10 @@ class OMGSState:
         top-k selection ``topk_s`` and in the hook body ``hook_s``), ``"total"``
         (the same summed, plus re-plans), ``"plan"`` (groups as bucket indices, modes,
         strategy, predicted iteration seconds), ``"backward_s_per_unit"`` (median
-        measured per bucket), ``"forward_s"``, ``"measured_iteration_s"`` (forward start
-        to forward start) and ``"predicted_iteration_s"``.
+        measured per bucket), ``"forward_s"``, ``"tail_s"`` (median seconds from a step's
+        last write-back to the next forward), ``"measured_iteration_s"`` (forward start to
+        forward start; what ``"predicted_iteration_s"`` predicts) and ``"planned_with"``
+        (the forward, tail and per-group overhead the last plan was made with).
         """
         total = dict(self._totals)
         total["density"] = total["selected"] / total["elements"] if total["elements"] else 0.0
@@ -505,13 +617,15 @@ class OMGSState:
             }
         return {
             "step": self.step,
-            "last": dict(self._last) if self._last else None,
+            "last": self._last_with_hook_time(),
             "total": total,
             "plan": plan,
             "backward_s_per_unit": self.meter.backward_s(),
             "forward_s": self.meter.forward_s(),
             "measured_iteration_s": self.meter.last_iteration_s,
             "predicted_iteration_s": self.plan.predicted_iteration_s if self.plan else None,
+            "planned_with": dict(self._planned_with) if self._planned_with else None,
+            "tail_s": self.meter.tail_s(),
             "residual_norm": self.memory.total_norm(),
             "comm_model": self._comm_model_report(),
         }
@@ -558,6 +672,9 @@ class OMGSState:
             "residuals": self.memory.state_dict(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "measurements": self.meter.state_dict(),
+            "group_overhead": self.overhead.state_dict(),
+            "writeback": self.writeback.state_dict(),
+            "awaiting_overhead": self._awaiting_overhead,
             "refit": self._fitter.state_dict() if self._fitter is not None else None,
             "totals": dict(self._totals),
         }
@@ -598,6 +715,9 @@ class OMGSState:
             self.plan = None  # planned for another world size
         self.step = int(sd.get("step", 0))
         self.meter.load_state_dict(sd.get("measurements") or {})
+        self.overhead.load_state_dict(sd.get("group_overhead") or {})
+        self.writeback.load_state_dict(sd.get("writeback") or {})
+        self._awaiting_overhead = bool(sd.get("awaiting_overhead", False)) and self.plan is not None
         if self._fitter is not None and sd.get("refit"):
             self._fitter.load_state_dict(sd["refit"])
         for k, v in (sd.get("totals") or {}).items():

@@ -1,10 +1,17 @@
 """Measuring each bucket's share of backward while training.
 
 DDP calls the hook once per bucket, in ready order, on the autograd thread. The time
-between the end of the previous hook call and the arrival of bucket ``i`` is backward
-computation that produced bucket ``i`` (the hook's own work - top-k, packing - is
-excluded because it happens between arrival and exit). Bucket 0 is timed from the end
-of the module's forward (a forward hook), which lumps the loss computation into it.
+between the arrival of bucket ``i-1`` and the arrival of bucket ``i``, minus the time
+the hook spent *sending groups* in between (top-k, assembling, packing, issuing), is
+the backward computation that produced bucket ``i``. The hook's per-bucket bookkeeping
+stays in it: it is paid once per bucket whatever the plan. The sending is what the plan
+changes, and the cost model charges it per group (:class:`GroupOverheadMeter`). Bucket
+0 is timed from the end of the module's forward (a forward hook), which lumps the loss
+computation into it.
+
+The *tail* of a step - from the moment its last group was written back to the start of
+the next forward (DDP's finalisation, the optimiser step, ``zero_grad``, the next batch)
+- is timed on the host clock; the planner adds it to its prediction.
 
 On CPU the marks are ``time.perf_counter()``. On CUDA they are CUDA events on the
 current stream, so they measure the GPU timeline, not the launch timeline; events are
@@ -19,6 +26,8 @@ import statistics
 import time
 
 import torch
+
+from .fitting import fit_linear_relative
 
 
 class CpuClock:
@@ -71,9 +80,16 @@ class BackwardMeter:
         self._fwd_start = None
         self._fwd_end = None
         self._arrive = []
-        self._exit = []
+        self._send_start = []
+        self._send_end = []
         self.last_iteration_s = None
         self._last_fwd_start_wall = None
+        self._tail = collections.deque(maxlen=window)
+        self._finish_wall = None
+        self._step_tail = None  # the tail that preceded the current step's forward
+        # per step: [tail before it, forward, backward of bucket 0, 1, ...] - one rank's
+        # timeline from the end of the previous exchange, for the straggler-aware plan
+        self._timelines = collections.deque(maxlen=window)
 
     def use_device(self, device):
         """Pick the clock for the gradients' device (called at the first bucket)."""
@@ -85,6 +101,12 @@ class BackwardMeter:
         wall = time.perf_counter()
         if self._last_fwd_start_wall is not None:
             self.last_iteration_s = wall - self._last_fwd_start_wall
+        self._step_tail = None
+        if self._finish_wall is not None and self._last_fwd_start_wall is not None \
+                and self._finish_wall >= self._last_fwd_start_wall:
+            self._step_tail = max(0.0, wall - self._finish_wall)
+            self._tail.append(self._step_tail)
+        self._finish_wall = None
         self._last_fwd_start_wall = wall
         self._fwd_start = self.clock.mark()
         self._fwd_end = None
@@ -94,11 +116,19 @@ class BackwardMeter:
 
     def bucket_arrived(self, index):
         if index == 0:
-            self._arrive, self._exit = [], []
+            self._arrive, self._send_start, self._send_end = [], [], []
         self._arrive.append(self.clock.mark())
 
-    def bucket_done(self):
-        self._exit.append(self.clock.mark())
+    def sends_started(self):
+        """The hook starts sending the groups this bucket completed."""
+        self._send_start.append(self.clock.mark())
+
+    def sends_finished(self):
+        self._send_end.append(self.clock.mark())
+
+    def step_finished(self, wall):
+        """The step's last group was written back at host time ``wall`` (perf_counter)."""
+        self._finish_wall = wall
 
     @property
     def wall_step_start(self):
@@ -106,9 +136,11 @@ class BackwardMeter:
         return self._last_fwd_start_wall
 
     # -- bookkeeping ------------------------------------------------------------
-    def end_step(self, layout):
-        """Close the step whose buckets form ``layout``; resolve what can be resolved."""
-        marks = (self._fwd_start, self._fwd_end, list(self._arrive), list(self._exit), layout)
+    def end_step(self, layout, step=None):
+        """Close the step (number ``step``) whose buckets form ``layout``; resolve what can
+        be resolved."""
+        marks = (self._fwd_start, self._fwd_end, list(self._arrive),
+                 list(zip(self._send_start, self._send_end)), layout, self._step_tail, step)
         if isinstance(self.clock, CudaClock):
             previous, self._pending = self._pending, marks
             if previous is not None:
@@ -117,24 +149,35 @@ class BackwardMeter:
             self._record(*marks)
         self._fwd_start = self._fwd_end = None
 
-    def _record(self, fwd_start, fwd_end, arrive, exits, layout):
-        if len(arrive) != len(layout) or len(exits) < len(arrive) - 1:
+    def _record(self, fwd_start, fwd_end, arrive, sends, layout, step_tail=None, step=None):
+        if len(arrive) != len(layout) or len(sends) < len(arrive) - 1:
             return  # an interrupted step (exception mid-backward): nothing reliable
         seconds = []
         for i, arrival in enumerate(arrive):
-            start = fwd_end if i == 0 else exits[i - 1]
-            seconds.append(max(0.0, self.clock.seconds(start, arrival)) if start is not None else 0.0)
+            if i == 0:
+                gap = self.clock.seconds(fwd_end, arrival) if fwd_end is not None else 0.0
+            else:
+                sent_from, sent_to = sends[i - 1]
+                gap = (self.clock.seconds(arrive[i - 1], arrival)
+                       - self.clock.seconds(sent_from, sent_to))
+            seconds.append(max(0.0, gap))
         if layout != self.layout:
             self.layout = layout
             self._samples.clear()
+            self._timelines.clear()
         self._samples.append(seconds)
         if fwd_start is not None and fwd_end is not None:
-            self._forward.append(max(0.0, self.clock.seconds(fwd_start, fwd_end)))
+            forward = max(0.0, self.clock.seconds(fwd_start, fwd_end))
+            self._forward.append(forward)
+            if step_tail is not None and step is not None:
+                self._timelines.append((int(step), [step_tail, forward] + seconds))
 
     def reset(self):
         self.layout = None
+        self._timelines.clear()
         self._samples.clear()
         self._forward.clear()
+        self._tail.clear()
         self._pending = None
 
     # -- results ----------------------------------------------------------------
@@ -151,11 +194,23 @@ class BackwardMeter:
     def forward_s(self):
         return statistics.median(self._forward) if self._forward else 0.0
 
+    def timelines(self):
+        """Per complete step of the current layout, oldest first: ``(step, [tail, forward,
+        backward of bucket 0, 1, ...])`` in seconds (steps without a measured tail are
+        left out). The hook aligns them across ranks by step to plan for the slowest rank."""
+        return [(step, list(row)) for step, row in self._timelines]
+
+    def tail_s(self):
+        """Median seconds from a step's last write-back to the next forward (0 if unseen)."""
+        return statistics.median(self._tail) if self._tail else 0.0
+
     def state_dict(self):
         return {
             "layout": [list(bucket) for bucket in self.layout] if self.layout else None,
             "samples": [list(s) for s in self._samples],
             "forward": list(self._forward),
+            "tail": list(self._tail),
+            "timelines": [[step] + list(row) for step, row in self._timelines],
         }
 
     def load_state_dict(self, sd):
@@ -166,3 +221,99 @@ class BackwardMeter:
                 self._samples.append([float(x) for x in s])
         for f in sd.get("forward", []):
             self._forward.append(float(f))
+        for f in sd.get("tail", []):
+            self._tail.append(float(f))
+        for row in sd.get("timelines", []):
+            self._timelines.append((int(row[0]), [float(x) for x in row[1:]]))
+
+
+def slowest_rank_timeline(per_rank):
+    """The planner's ``[tail, forward, backward of bucket 0, 1, ...]`` for synchronous ranks.
+
+    ``per_rank``: for every rank, its :meth:`BackwardMeter.timelines` - ``(step, row)``
+    pairs. Every collective waits for the last rank to get there, so a step's timeline is
+    the *maximum over ranks* of each rank's cumulative time (from the end of the previous
+    exchange through tail, forward and each bucket's backward), not the mean. Steps are
+    aligned by number (only steps every rank measured count); the result is the median
+    over steps of that maximum, differenced back into parts. With ranks on dedicated
+    hardware this is close to the mean; with stragglers, or ranks sharing CPU cores, it
+    is what an iteration really costs. Returns None when no step is common to all ranks.
+    """
+    common = None
+    for rows in per_rank:
+        steps = {step for step, _ in rows}
+        common = steps if common is None else common & steps
+    if not common:
+        return None
+    width = {len(row) for rows in per_rank for _, row in rows}
+    if len(width) != 1:
+        raise ValueError(f"timelines of different lengths {sorted(width)}")
+    aligned = []
+    for rows in per_rank:
+        by_step = dict(rows)
+        aligned.append([by_step[step] for step in sorted(common)])
+    cumulative = torch.tensor(aligned, dtype=torch.float64).cumsum(dim=2)  # rank, step, part
+    slowest = cumulative.max(dim=0).values
+    median = torch.quantile(slowest, 0.5, dim=0)  # order statistics keep it non-decreasing
+    parts = torch.diff(median, prepend=median.new_zeros(1)).clamp(min=0.0)
+    return [float(x) for x in parts]
+
+
+class GroupOverheadMeter:
+    """The hook's own work per sparse group on the compute stream, besides top-k.
+
+    Sending a sparse group of D elements costs, on the thread (or stream) that also runs
+    backward: assembling ``gradient + residual`` into one buffer and checking it for
+    NaN/Inf (a pass over D elements), the top-k, then packing the payload, zeroing the
+    sent entries of the residual and issuing the all-gather (fixed work). Top-k is in the
+    profile; this meter learns the rest, ``h(D) = per_group_s + per_element_s * D``, from
+    samples the hook records per group: ``add(D, element_pass_s, fixed_s)``.
+
+    Estimate: with at least two group sizes a factor ``min_size_ratio`` apart, the
+    per-size medians of the total are fitted with the relative-error non-negative least
+    squares of :mod:`omgs_hook.fitting`. With one size (e.g. a one-group plan) the line
+    cannot be fitted, so the measured split is used: ``per_group_s`` = median fixed part,
+    ``per_element_s`` = median element pass / D.
+    """
+
+    def __init__(self, window=256, min_size_ratio=2.0):
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.min_size_ratio = float(min_size_ratio)
+        self._samples = collections.deque(maxlen=window)
+
+    def __len__(self):
+        return len(self._samples)
+
+    def add(self, numel, element_pass_s, fixed_s):
+        if numel < 1 or not (element_pass_s >= 0 and fixed_s >= 0):
+            raise ValueError(f"bad group overhead sample ({numel!r}, {element_pass_s!r}, {fixed_s!r})")
+        self._samples.append((int(numel), float(element_pass_s), float(fixed_s)))
+
+    def clear(self):
+        self._samples.clear()
+
+    def estimate(self):
+        """``(per_group_s, per_element_s)``, or None without samples."""
+        if not self._samples:
+            return None
+        by_size = {}
+        for numel, element_pass, fixed in self._samples:
+            by_size.setdefault(numel, []).append((element_pass, fixed))
+        sizes = sorted(by_size)
+        if len(sizes) >= 2 and sizes[-1] >= self.min_size_ratio * sizes[0]:
+            totals = [statistics.median(e + f for e, f in by_size[n]) for n in sizes]
+            if min(totals) > 0:
+                fit = fit_linear_relative(sizes, totals)
+                return fit.alpha_s, fit.beta_s_per_byte  # here: seconds per element
+        per_group = statistics.median(f for _, _, f in self._samples)
+        per_element = statistics.median(e / n for n, e, _ in self._samples)
+        return per_group, per_element
+
+    def state_dict(self):
+        return {"samples": [list(s) for s in self._samples]}
+
+    def load_state_dict(self, sd):
+        self._samples.clear()
+        for numel, element_pass, fixed in (sd or {}).get("samples", []):
+            self.add(int(numel), float(element_pass), float(fixed))

@@ -100,7 +100,7 @@ class Plan:
         groups: contiguous runs of unit indices in ready order, e.g. ``((0, 1), (2,))``.
         dense: one flag per group, ``True`` where the group is sent as a dense
             all-reduce (always all ``False`` without a dense cost).
-        predicted_iteration_s: ``forward_s + e_m`` of the timeline.
+        predicted_iteration_s: ``forward_s + e_m + tail_s`` of the timeline.
         non_overlapped_s: ``e_m - sum(backward_s)``.
     """
 

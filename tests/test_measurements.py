@@ -1,0 +1,161 @@
+"""BackwardMeter (per-bucket backward, tail) and GroupOverheadMeter, with a fake clock."""
+
+import pytest
+
+from omgs_hook import measurements
+from omgs_hook.measurements import BackwardMeter, GroupOverheadMeter
+
+
+class FakeClock:
+    """Marks are numbers the test sets; seconds() is their difference."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def mark(self):
+        return self.now
+
+    def seconds(self, start, end):
+        return end - start
+
+
+def run_step(meter, clock, script, layout):
+    """script: per bucket (arrival time, send start, send end); forward 0..1."""
+    clock.now = 0.0
+    meter._fwd_start = clock.mark()
+    clock.now = 1.0
+    meter.forward_finished()
+    for index, (arrive, send_from, send_to) in enumerate(script):
+        clock.now = arrive
+        meter.bucket_arrived(index)
+        clock.now = send_from
+        meter.sends_started()
+        clock.now = send_to
+        meter.sends_finished()
+    meter.end_step(layout)
+
+
+def test_backward_excludes_group_sends_but_keeps_bookkeeping():
+    meter = BackwardMeter(window=4)
+    clock = meter.clock = FakeClock()
+    layout = (("a",), ("b",), ("c",))
+    # bucket 0 arrives at 3 (2 s after forward), 0.5 s bookkeeping, sends 3.5..5.5;
+    # bucket 1 arrives at 7: 4 s since bucket 0 minus 2 s of sending = 2 s of backward
+    run_step(meter, clock, [(3.0, 3.5, 5.5), (7.0, 7.25, 7.25), (9.0, 9.0, 12.0)], layout)
+    assert meter.backward_s() == pytest.approx([2.0, 2.0, 2.0])
+    assert meter.forward_s() == pytest.approx(1.0)
+
+
+def test_interrupted_step_is_not_recorded():
+    meter = BackwardMeter(window=4)
+    clock = meter.clock = FakeClock()
+    run_step(meter, clock, [(3.0, 3.0, 3.0)], (("a",), ("b",)))  # one bucket of two
+    assert meter.backward_s() == []
+
+
+def test_tail_is_write_back_to_next_forward(monkeypatch):
+    times = iter([10.0, 20.0, 30.0])
+    monkeypatch.setattr(measurements.time, "perf_counter", lambda: next(times))
+    meter = BackwardMeter(window=4)
+    meter.clock = FakeClock()  # the wall clock above is for the iteration marks only
+    meter.forward_started()          # t = 10
+    meter.step_finished(17.5)        # last write-back of that step
+    meter.forward_started()          # t = 20: tail 2.5
+    assert meter.tail_s() == pytest.approx(2.5)
+    assert meter.last_iteration_s == pytest.approx(10.0)
+    meter.forward_started()          # t = 30, no step finished in between: no sample
+    assert meter.tail_s() == pytest.approx(2.5)
+    restored = BackwardMeter(window=4)
+    restored.load_state_dict(meter.state_dict())
+    assert restored.tail_s() == pytest.approx(2.5)
+
+
+def test_group_overhead_fits_a_line_over_sizes():
+    meter = GroupOverheadMeter()
+    assert meter.estimate() is None
+    for numel in (1000, 10_000, 100_000):
+        for _ in range(3):
+            total = 2e-4 + 3e-9 * numel
+            meter.add(numel, total * 0.7, total * 0.3)
+    meter.add(1000, 1.0, 1.0)  # one outlier: the per-size median ignores it
+    per_group, per_element = meter.estimate()
+    assert per_group == pytest.approx(2e-4, rel=1e-6)
+    assert per_element == pytest.approx(3e-9, rel=1e-6)
+
+
+def test_group_overhead_with_one_size_uses_the_measured_split():
+    meter = GroupOverheadMeter()
+    for element_pass in (4e-3, 5e-3, 6e-3):
+        meter.add(1_000_000, element_pass, 3e-4)
+    per_group, per_element = meter.estimate()
+    assert per_group == pytest.approx(3e-4)
+    assert per_element == pytest.approx(5e-9)
+
+
+def test_group_overhead_rejects_bad_samples_and_round_trips():
+    meter = GroupOverheadMeter(window=2)
+    with pytest.raises(ValueError, match="bad group overhead sample"):
+        meter.add(0, 1e-3, 1e-3)
+    with pytest.raises(ValueError, match="bad group overhead sample"):
+        meter.add(10, float("nan"), 1e-3)
+    for numel in (10, 20, 40):  # the window keeps the last two
+        meter.add(numel, 1e-6 * numel, 1e-4)
+    assert len(meter) == 2
+    copy = GroupOverheadMeter()
+    copy.load_state_dict(meter.state_dict())
+    assert copy.estimate() == pytest.approx(meter.estimate())
+
+
+def test_slowest_rank_timeline_is_the_median_of_the_per_step_maximum():
+    from omgs_hook.measurements import slowest_rank_timeline
+
+    # [tail, forward, bucket 0, bucket 1]; rank 1 is slow in forward on step 2 only,
+    # rank 0 slow in bucket 1 on step 3: the maximum is taken per step on cumulative time
+    rank0 = [(1, [1.0, 2.0, 1.0, 1.0]), (2, [1.0, 2.0, 1.0, 1.0]), (3, [1.0, 2.0, 1.0, 9.0])]
+    rank1 = [(2, [1.0, 6.0, 1.0, 1.0]), (3, [1.0, 2.0, 1.0, 1.0]), (4, [5.0, 5.0, 5.0, 5.0])]
+    parts = slowest_rank_timeline([rank0, rank1])
+    # common steps 2 and 3; cumulative maxima: step 2 [1, 7, 8, 9], step 3 [1, 3, 4, 13]
+    # medians [1, 5, 6, 11] -> parts [1, 4, 1, 5]
+    assert parts == pytest.approx([1.0, 4.0, 1.0, 5.0])
+    # the mean of the ranks' medians would say [1, 3, 1, 3]: an iteration 3 s too short
+
+
+def test_slowest_rank_timeline_of_one_rank_is_its_median_and_needs_common_steps():
+    from omgs_hook.measurements import slowest_rank_timeline
+
+    rows = [(s, [0.1, 0.2 * s, 0.3]) for s in (1, 2, 3)]
+    assert slowest_rank_timeline([rows]) == pytest.approx([0.1, 0.4, 0.3])
+    assert slowest_rank_timeline([rows, [(9, [1.0, 1.0, 1.0])]]) is None
+    assert slowest_rank_timeline([[], rows]) is None
+    with pytest.raises(ValueError, match="different lengths"):
+        slowest_rank_timeline([rows, [(1, [1.0, 1.0])]])
+
+
+def test_timelines_carry_step_tail_forward_and_backward(monkeypatch):
+    walls = iter([0.0, 10.0])
+    monkeypatch.setattr(measurements.time, "perf_counter", lambda: next(walls))
+    meter = BackwardMeter(window=4)
+    clock = meter.clock = FakeClock()
+    layout = (("a",), ("b",))
+    meter.forward_started()             # wall 0: no tail before the first step
+    run_step(meter, clock, [(3.0, 3.0, 4.0), (6.0, 6.0, 6.0)], layout)  # closed unnumbered
+    assert meter.timelines() == []      # no tail measured before it
+    meter.step_finished(8.5)
+    clock.now = 0.0
+    meter.forward_started()             # wall 10: tail 1.5
+    run_step_marks = [(3.0, 3.0, 4.0), (6.0, 6.0, 6.0)]
+    clock.now = 1.0
+    meter.forward_finished()
+    for index, (arrive, send_from, send_to) in enumerate(run_step_marks):
+        clock.now = arrive
+        meter.bucket_arrived(index)
+        clock.now = send_from
+        meter.sends_started()
+        clock.now = send_to
+        meter.sends_finished()
+    meter.end_step(layout, step=1)
+    [(step, row)] = meter.timelines()
+    assert step == 1 and row == pytest.approx([1.5, 1.0, 2.0, 2.0])
+    restored = BackwardMeter(window=4)
+    restored.load_state_dict(meter.state_dict())
+    assert restored.timelines() == meter.timelines()
