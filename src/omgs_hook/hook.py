@@ -25,10 +25,11 @@ Algorithm (per training step, i.e. per DDP backward pass):
 
 Planning: the first ``warmup_steps`` steps run dense all-reduce per bucket while the
 hook measures each bucket's backward time. Then the OMGS optimiser
-(:mod:`omgs_hook.planner`) computes the plan from the per-bucket measurements averaged
-over ranks, the profile's collective cost ``alpha + beta * bytes`` and top-k cost
-``c0 + c1*D + c2*D*log2(D)`` plus the hook's own measured per-group work (on CPU),
-and the measured tail of the step (optimiser, data). It re-computes the plan once
+(:mod:`omgs_hook.planner`) computes the plan from the slowest rank's measured timeline
+(tail of the previous step, forward, per-bucket backward; median over steps), the
+profile's collective cost ``alpha + beta * bytes`` and top-k cost
+``c0 + c1*D + c2*D*log2(D)``, plus the hook's own measured work per sparse group on
+either side of the collective (on CPU; docs/cost-model.md). It re-computes the plan once
 ``OVERHEAD_SETTLE_STEPS`` steps after the first one (the first plan cannot know what a
 sparse group costs the hook), every ``replan_every`` steps, and when DDP's bucket layout
 changed for good. All ranks derive the plan from the same all-gathered numbers and
