@@ -8,6 +8,10 @@ of epochs on 2 ranks, once per (configuration, seed)::
     allreduce      DDP's dense all-reduce (the reference)
     omgs:0.001     OMGS-SGD hook at density 0.001 (the paper's setting)
     omgs:0.01      OMGS-SGD hook at density 0.01
+    omgs:0.001@88  (optional) the same with a density warm-up over 88 steps after the
+                   dense warm-up (``--density-warmup-steps``: DGC's exponential ramp
+                   from 0.25 down to the density) - a change of the algorithm, reported
+                   beside the plain runs, never instead of them
 
 Every run is ``scripts/train.py`` under ``torchrun --standalone --nproc_per_node=2`` with
 exactly the same options except ``--hook``/``--density``: same seed (model
@@ -77,13 +81,15 @@ RESULTS_KIND = "omgs-convergence"
 
 
 def parse_config(text):
-    """``"allreduce"`` or ``"HOOK:DENSITY"`` -> (normalised name, hook, density or None)."""
+    """``"allreduce"`` or ``"HOOK:DENSITY[@W]"`` -> (normalised name, hook, density or None,
+    density warm-up steps). ``@W`` runs the hook with ``--density-warmup-steps W``."""
     text = text.strip()
+    text, _, warmup_text = text.partition("@")
     hook, _, density_text = text.partition(":")
     if hook == REFERENCE:
-        if density_text:
+        if density_text or warmup_text:
             raise ValueError(f"config {text!r}: allreduce takes no density")
-        return REFERENCE, REFERENCE, None
+        return REFERENCE, REFERENCE, None, 0
     if hook not in COMPRESSING_HOOKS:
         raise ValueError(f"config {text!r}: unknown hook {hook!r}; valid: {REFERENCE}, "
                          + ", ".join(f"{h}:DENSITY" for h in COMPRESSING_HOOKS))
@@ -93,7 +99,16 @@ def parse_config(text):
         raise ValueError(f"config {text!r}: {hook} needs a density, e.g. {hook}:0.001") from None
     if not 0.0 < density <= 1.0:
         raise ValueError(f"config {text!r}: density must be in (0, 1], got {density}")
-    return f"{hook}:{density:g}", hook, density
+    if not warmup_text:
+        return f"{hook}:{density:g}", hook, density, 0
+    try:
+        warmup = int(warmup_text)
+    except ValueError:
+        warmup = -1
+    if warmup < 1:
+        raise ValueError(f"config {text}@{warmup_text}: the density warm-up after '@' must be "
+                         "a positive number of steps")
+    return f"{hook}:{density:g}@{warmup}", hook, density, warmup
 
 
 def _configs(text):
@@ -179,13 +194,15 @@ def parse_args(argv=None):
 # =====================================================================================
 
 
-def train_command(hook, density, seed, epochs, log_path, args):
+def train_command(hook, density, seed, epochs, log_path, args, density_warmup=0):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={args.nproc}", TRAIN_SCRIPT, "--model", args.model,
                "--hook", hook, "--epochs", str(epochs), "--seed", str(seed),
                "--log-file", log_path, "--no-progress"]
     if density is not None:
         command += ["--density", repr(density)]
+    if density_warmup:
+        command += ["--density-warmup-steps", str(density_warmup)]
     if hook in COMPRESSING_HOOKS and args.profile is not None:
         command += ["--profile", args.profile]
     return command + list(args.train_args)
@@ -213,9 +230,9 @@ def read_log(path):
     return steps, evaluations, summary
 
 
-def run_one(name, hook, density, seed, args, workdir):
-    log_path = os.path.join(workdir, f"{name.replace(':', '_')}_seed{seed}.jsonl")
-    command = train_command(hook, density, seed, args.epochs, log_path, args)
+def run_one(name, hook, density, seed, args, workdir, density_warmup=0):
+    log_path = os.path.join(workdir, f"{name.replace(':', '_').replace('@', '_w')}_seed{seed}.jsonl")
+    command = train_command(hook, density, seed, args.epochs, log_path, args, density_warmup)
     print(f"convergence: {name} seed {seed}: {' '.join(command[3:])}", flush=True)
     started = time.monotonic()
     proc = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
@@ -230,7 +247,8 @@ def run_one(name, hook, density, seed, args, workdir):
     total = hook_stats.get("total") or {}
     last = hook_stats.get("last") or {}
     return {
-        "config": name, "hook": hook, "density": density, "seed": seed, "epochs": args.epochs,
+        "config": name, "hook": hook, "density": density, "density_warmup_steps": density_warmup,
+        "seed": seed, "epochs": args.epochs,
         "profile": None if hook not in COMPRESSING_HOOKS else (
             os.path.relpath(args.profile, REPO_ROOT) if args.profile else "default"),
         "nproc": args.nproc, "model": args.model, "train_args": list(args.train_args),
@@ -515,8 +533,8 @@ def main(argv=None):
         with tempfile.TemporaryDirectory(prefix="omgs-convergence-") as workdir:
             # seed-major order: a slow drift of the machine hits every configuration alike
             for seed in args.seeds:
-                for name, hook, density in args.configs:
-                    run = run_one(name, hook, density, seed, args, workdir)
+                for name, hook, density, density_warmup in args.configs:
+                    run = run_one(name, hook, density, seed, args, workdir, density_warmup)
                     if hook in COMPRESSING_HOOKS:
                         run["profile_costs"] = record
                     merge_run(data, run)

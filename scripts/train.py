@@ -119,6 +119,9 @@ def parse_args(argv=None):
     add("--warmup-steps", type=int, default=5,
         help="dense all-reduce steps before compressing (omgs hooks: while profiling; "
              "powersgd: start_powerSGD_iter, at least 2)")
+    add("--density-warmup-steps", type=int, default=0,
+        help="omgs hooks: after the dense warm-up, lower the density exponentially from "
+             "0.25 to --density over this many steps (DGC's warm-up; 0 = off)")
     add("--replan-every", type=int, default=100, help="omgs hooks: steps between re-plans")
     add("--profile", default=None, help="omgs hooks: cost-model profile JSON (omgs-profile)")
     add("--topk-backend", default="auto", help="omgs hooks: top-k backend (torch, sampled, cupy)")
@@ -180,6 +183,8 @@ def _validate(parser, args):
         parser.error(f"--image-size: vgg16 needs a multiple of 32, got {args.image_size}")
     if not 0.0 < args.density <= 1.0:
         parser.error(f"--density: must be in (0, 1], got {args.density}")
+    if args.density_warmup_steps < 0:
+        parser.error(f"--density-warmup-steps: must be >= 0, got {args.density_warmup_steps}")
     if args.lr_warmup_steps < 0 or args.warmup_steps < 0:
         parser.error("--lr-warmup-steps and --warmup-steps must be >= 0")
     if not 0.0 <= args.momentum < 1.0:
@@ -355,7 +360,7 @@ def attach_hook(ddp_model, args, device):
     strategy = args.strategy if args.hook == "omgs" and args.strategy else HOOK_STRATEGIES[args.hook]
     return omgs_hook.register(
         ddp_model, density=args.density, strategy=strategy, warmup_steps=args.warmup_steps,
-        replan_every=args.replan_every, profile=args.profile, topk_backend=args.topk_backend,
+        density_warmup_steps=args.density_warmup_steps, replan_every=args.replan_every, profile=args.profile, topk_backend=args.topk_backend,
         allow_dense=not args.no_dense_groups, refit_online=args.refit_online,
         log_every=args.hook_log_every)
 

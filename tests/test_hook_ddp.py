@@ -109,7 +109,9 @@ def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
         # parameters unused on every rank keep ("park") their residual: it is not sent
         unused = {n for n, p in reference_model.named_parameters() if p.requires_grad and p.grad is None}
         ref_old = [{k: v for k, v in o.items() if k not in unused} for o in all_old]
-        avg, new_res = reference_step(all_local, ref_old, groups, DENSITY)
+        # the density the hook was asked to use this step (DENSITY, or its warm-up ramp)
+        assert last["step_density"] == state.density_at(step)
+        avg, new_res = reference_step(all_local, ref_old, groups, last["step_density"])
         got_res = flat_residuals(state)
         for name, p in model.named_parameters():
             if not p.requires_grad or p.grad is None:
@@ -143,6 +145,7 @@ def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
             "buckets": len(state._exchange.layout),
             "groups": len(groups),
             "dense": sum(d for _, d in groups),
+            "selected": last["selected"],
             "multi_bucket_group": any(
                 len({state._exchange.arrived[k][0] for k in keys}) > 1 for keys, _ in groups),
         })
@@ -202,6 +205,23 @@ def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second):
         "replans": replans,
         "planned_with": planned_with,
     }
+
+
+def straggler_worker(rank, world_size, delay_s):
+    """Rank 1's forward is ``delay_s`` slower: the plan must be made for it, on every rank."""
+    torch.manual_seed(0)
+    model = Net()
+    if rank == 1:
+        model.register_forward_hook(lambda module, args, out: time.sleep(delay_s))
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=3, strategy="optimal",
+                               allow_dense=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train_steps(ddp, opt, 0, 10, rank)
+    own_forward = state.meter.forward_s()
+    instance = state.measured_instance()  # collective, like a re-plan
+    return {"planned_with": state.stats()["planned_with"], "own_forward": own_forward,
+            "instance": instance.to_dict(), "replans": state.stats()["total"]["replans"]}
 
 
 def mismatch_worker(rank, world_size):
@@ -287,6 +307,8 @@ REFERENCE_CASES = {
                               {"gradient_as_bucket_view": True}),
     "threshold-static-graph": ({"strategy": "threshold:2500", "warmup_steps": 0},
                                {"static_graph": True}),
+    "density-warm-up": ({"strategy": "layerwise", "warmup_steps": 1, "density_warmup_steps": 4,
+                         "density_warmup_start": 0.5, "allow_dense": False}, {}),
     "optimal-replanning": ({"strategy": "optimal", "warmup_steps": 2, "replan_every": 2,
                             "refit_online": True}, {}),
 }
@@ -327,6 +349,11 @@ def test_gradients_match_reference_and_conserve(case):
         assert steps[-1]["groups"] == 6
     if case == "threshold-static-graph":
         assert any(s["multi_bucket_group"] for s in steps[3:]), steps
+    if case == "density-warm-up":
+        # sparse from step 1: 0.5 ramping down to DENSITY over steps 1-4, then DENSITY
+        selected = [s["selected"] for s in steps[1:]]
+        assert selected[0] > selected[1] > selected[2] > selected[3] > selected[4], selected
+        assert selected[4] == selected[5], selected
     if case == "optimal-replanning":
         assert results[0]["replans"] >= 2
         # every rank plans with the same (rank-averaged) collective cost
@@ -376,6 +403,24 @@ def test_resume_is_bit_identical(tmp_path, strategy):
         assert r["replans"] == 2 and r["planned_with"]["overhead_measured"], r
         assert r["planned_with"]["tail_s"] > 0 and r["planned_with"]["group_overhead_s"] > 0, r
         assert r["identical"], r["max_diff"]
+
+
+@pytest.mark.timeout(120)
+def test_plan_is_made_for_the_slowest_rank():
+    delay = 0.05
+    results = run_ranks("test_hook_ddp", "straggler_worker", world_size=2, delay_s=delay)
+    fast, slow = results
+    assert fast["own_forward"] < delay <= slow["own_forward"]
+    # identical on both ranks, and the slow rank's forward - not the mean of the two
+    assert fast["instance"] == slow["instance"]
+    assert fast["planned_with"] == slow["planned_with"]
+    # (the per-step maximum is taken on cumulative time: tail, then tail + forward, ...)
+    instance, planned = fast["instance"], fast["planned_with"]
+    assert instance["tail_s"] + instance["forward_s"] >= delay
+    assert planned["tail_s"] + planned["forward_s"] >= delay
+    # first plan after the warm-up, then the one with the sparse path measured
+    assert fast["replans"] == 2 and fast["planned_with"]["overhead_measured"]
+    assert fast["planned_with"]["writeback_s_per_element"] > 0
 
 
 @pytest.mark.timeout(120)

@@ -22,6 +22,10 @@ from ddp_harness import run_ranks
         ({"density": float("nan")}, "density"),
         ({"density": "0.1"}, "density"),
         ({"warmup_steps": -1}, "warmup_steps"),
+        ({"density_warmup_steps": -2}, "density_warmup_steps"),
+        ({"density_warmup_steps": 1.5}, "density_warmup_steps"),
+        ({"density_warmup_start": 0.0}, "density_warmup_start"),
+        ({"density_warmup_start": True}, "density_warmup_start"),
         ({"replan_every": 0}, "replan_every"),
         ({"replan_every": 2.5}, "replan_every"),
         ({"log_every": -3}, "log_every"),
@@ -35,6 +39,36 @@ from ddp_harness import run_ranks
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(ValueError, match=message):
         OMGSState(**options)
+
+
+def test_density_warm_up_schedule():
+    state = OMGSState(density=0.001, warmup_steps=5, density_warmup_steps=4)
+    got = [state.density_at(step) for step in range(12)]
+    # dense warm-up steps 0-4 (density only matters once sparse), then 0.25 -> 0.001
+    expected = [0.001] * 5 + [0.25 * (0.004 ** (t / 4)) for t in range(4)] + [0.001] * 3
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert got[5] == 0.25 and got[8] > got[9] == 0.001
+    # off by default, and no ramp when the start is not above the density
+    assert OMGSState(density=0.001).density_at(5) == 0.001
+    assert OMGSState(density=0.5, density_warmup_steps=10).density_at(7) == 0.5
+
+
+def test_overhead_re_plan_waits_for_the_end_of_the_density_warm_up():
+    from types import SimpleNamespace
+
+    def due(step, **options):
+        state = OMGSState(density=0.001, warmup_steps=5, **options)
+        layout = (("a",),)
+        state.plan = SimpleNamespace(made_at_step=5, layout=layout)
+        state._awaiting_overhead = True  # the first plan had no overhead measurements
+        state._layout_streak = (layout, step)
+        state.step = step
+        return state._replan_due(layout)
+
+    assert not due(9) and due(10)  # OVERHEAD_SETTLE_STEPS after the first plan
+    # with a ramp of 20 steps the samples are taken at the target density from step 25
+    assert not due(10, density_warmup_steps=20) and not due(29, density_warmup_steps=20)
+    assert due(30, density_warmup_steps=20)
 
 
 def test_profile_problems_are_reported_at_construction(tmp_path):

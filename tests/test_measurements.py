@@ -19,10 +19,14 @@ class FakeClock:
         return end - start
 
 
-def run_step(meter, clock, script, layout):
-    """script: per bucket (arrival time, send start, send end); forward 0..1."""
-    clock.now = 0.0
-    meter._fwd_start = clock.mark()
+def run_step(meter, clock, script, layout, step=None, start_forward=True):
+    """script: per bucket (arrival time, send start, send end); forward 0..1.
+
+    With ``start_forward=False`` the caller already called ``meter.forward_started()``
+    (at fake time 0)."""
+    if start_forward:
+        clock.now = 0.0
+        meter._fwd_start = clock.mark()
     clock.now = 1.0
     meter.forward_finished()
     for index, (arrive, send_from, send_to) in enumerate(script):
@@ -32,7 +36,7 @@ def run_step(meter, clock, script, layout):
         meter.sends_started()
         clock.now = send_to
         meter.sends_finished()
-    meter.end_step(layout)
+    meter.end_step(layout, step=step)
 
 
 def test_backward_excludes_group_sends_but_keeps_bookkeeping():
@@ -143,17 +147,8 @@ def test_timelines_carry_step_tail_forward_and_backward(monkeypatch):
     meter.step_finished(8.5)
     clock.now = 0.0
     meter.forward_started()             # wall 10: tail 1.5
-    run_step_marks = [(3.0, 3.0, 4.0), (6.0, 6.0, 6.0)]
-    clock.now = 1.0
-    meter.forward_finished()
-    for index, (arrive, send_from, send_to) in enumerate(run_step_marks):
-        clock.now = arrive
-        meter.bucket_arrived(index)
-        clock.now = send_from
-        meter.sends_started()
-        clock.now = send_to
-        meter.sends_finished()
-    meter.end_step(layout, step=1)
+    run_step(meter, clock, [(3.0, 3.0, 4.0), (6.0, 6.0, 6.0)], layout, step=1,
+             start_forward=False)
     [(step, row)] = meter.timelines()
     assert step == 1 and row == pytest.approx([1.5, 1.0, 2.0, 2.0])
     restored = BackwardMeter(window=4)

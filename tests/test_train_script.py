@@ -80,7 +80,8 @@ def test_options_are_validated_before_anything_starts(train_script):
     for bad in (["--density", "0"], ["--density", "1.5"], ["--resume"],
                 ["--hook", "allreduce", "--strategy", "greedy"], ["--steps", "0"],
                 ["--hook", "powersgd", "--warmup-steps", "1"], ["--model", "resnet50"],
-                ["--model", "vgg16", "--image-size", "16"], ["--checkpoint-every", "3"]):
+                ["--model", "vgg16", "--image-size", "16"], ["--checkpoint-every", "3"],
+                ["--density-warmup-steps", "-1"]):
         with pytest.raises(SystemExit):
             parse(bad)
     args = parse(["--model", "lstm"])
@@ -127,11 +128,12 @@ def test_omgs_based_hooks_map_to_planner_strategies(train_script, monkeypatch):
     expected = {"topk": "single", "lags": "layerwise", "omgs": "optimal"}
     for hook, strategy in expected.items():
         args = train_script.parse_args(["--hook", hook, "--density", "0.02",
-                                        "--warmup-steps", "3", "--replan-every", "7"])
+                                        "--warmup-steps", "3", "--replan-every", "7",
+                                        "--density-warmup-steps", "9"])
         train_script.attach_hook(object(), args, torch.device("cpu"))
         assert calls[-1]["strategy"] == strategy
-        assert (calls[-1]["density"], calls[-1]["warmup_steps"],
-                calls[-1]["replan_every"]) == (0.02, 3, 7)
+        assert (calls[-1]["density"], calls[-1]["warmup_steps"], calls[-1]["replan_every"],
+                calls[-1]["density_warmup_steps"]) == (0.02, 3, 7, 9)
     args = train_script.parse_args(["--hook", "omgs", "--strategy", "threshold:65536"])
     train_script.attach_hook(object(), args, torch.device("cpu"))
     assert calls[-1]["strategy"] == "threshold:65536"

@@ -90,6 +90,15 @@ class OMGSState:
             alone: LAGS-SGD) or ``"threshold:BYTES"`` (close a group at BYTES of gradient).
         warmup_steps (int): steps of dense all-reduce at the start, used to measure
             backward times and to let DDP rebuild its buckets. Default 5.
+        density_warmup_steps (int): after the dense warm-up, lower the density
+            exponentially from ``density_warmup_start`` to ``density`` over this many
+            steps (DGC's warm-up: very low densities converge more slowly at first,
+            because error feedback releases most entries only after many steps).
+            Default 0: ``density`` from the first sparse step, as in the OMGS paper.
+            Plans are always made for ``density``.
+        density_warmup_start (float): the first sparse step's density when
+            ``density_warmup_steps > 0``, in (0, 1]. Default 0.25 (as DGC). No effect
+            when it is not above ``density``.
         replan_every (int): re-compute the plan every this many steps. Default 100.
         profile: path of a profile JSON written by ``omgs-profile`` (or a ``Profile``);
             None uses the documented defaults of :func:`omgs_hook.profile_file.default_profile`.
@@ -122,6 +131,8 @@ class OMGSState:
         density=0.001,
         strategy="optimal",
         warmup_steps=5,
+        density_warmup_steps=0,
+        density_warmup_start=0.25,
         replan_every=100,
         profile=None,
         topk_backend="auto",
@@ -143,6 +154,13 @@ class OMGSState:
         except (ValueError, TypeError) as exc:
             raise ValueError(f"strategy: {exc}") from None
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.density_warmup_steps = _check_int("density_warmup_steps", density_warmup_steps, 0)
+        if isinstance(density_warmup_start, bool) or not isinstance(
+                density_warmup_start, (int, float)) or not (
+                0.0 < float(density_warmup_start) <= 1.0):
+            raise ValueError(
+                f"density_warmup_start must be a number in (0, 1], got {density_warmup_start!r}")
+        self.density_warmup_start = float(density_warmup_start)
         self.replan_every = _check_int("replan_every", replan_every, 1)
         self.log_every = _check_int("log_every", log_every, 0)
         measure_window = _check_int("measure_window", measure_window, 1)
@@ -272,6 +290,7 @@ class OMGSState:
         prof = self.profile
         fields = {
             "density": repr(self.density),
+            "density_warmup": repr((self.density_warmup_steps, self.density_warmup_start)),
             "strategy": self.strategy,
             "warmup_steps": repr(self.warmup_steps),
             "replan_every": repr(self.replan_every),
@@ -303,6 +322,19 @@ class OMGSState:
             )
 
     # ------------------------------------------------------------------ the hook body
+    def density_at(self, step):
+        """The density of step ``step`` (counted from 0, as ``self.step`` before it runs).
+
+        ``density`` itself, except in the ``density_warmup_steps`` steps after the dense
+        warm-up: ``start * (density / start) ** (t / density_warmup_steps)`` at sparse
+        step ``t`` = 0, 1, ... - the same float on every rank (same inputs, same formula).
+        """
+        t = step - self.warmup_steps
+        start = self.density_warmup_start
+        if t < 0 or t >= self.density_warmup_steps or start <= self.density:
+            return self.density
+        return start * (self.density / start) ** (t / self.density_warmup_steps)
+
     def _in_dense_mode(self):
         return self.density >= 1.0 or self.step < self.warmup_steps
 
@@ -349,7 +381,8 @@ class OMGSState:
             self._check_consistency()
             self._consistency_checked = True
         self._exchange = StepExchange(
-            self.memory, self._selector, self.process_group, self.world_size, self.density,
+            self.memory, self._selector, self.process_group, self.world_size,
+            self.density_at(self.step),
             on_finished=self._on_step_finished,
             on_comm_sample=self._fitter.add if self._fitter is not None else None,
             raise_on_nonfinite=self.nonfinite == "raise",
@@ -399,7 +432,8 @@ class OMGSState:
         since = self.step - self.plan.made_at_step
         if since >= self.replan_every:
             return True
-        if self._awaiting_overhead and since >= OVERHEAD_SETTLE_STEPS:
+        settled = self.warmup_steps + self.density_warmup_steps + OVERHEAD_SETTLE_STEPS
+        if self._awaiting_overhead and since >= OVERHEAD_SETTLE_STEPS and self.step >= settled:
             return True
         _, streak = self._layout_streak
         return layout != self.plan.layout and streak >= LAYOUT_SETTLE_STEPS
@@ -541,10 +575,11 @@ class OMGSState:
         if exchange.error is not None:
             return
         self.meter.step_finished(exchange.finish_wall)
-        for sample in exchange.overhead_samples:
-            self.overhead.add(*sample)
-        for numel, seconds in exchange.writeback_samples:
-            self.writeback.add(numel, seconds, 0.0)
+        if exchange.density == self.density:  # not in the density warm-up: plans are for this
+            for sample in exchange.overhead_samples:
+                self.overhead.add(*sample)
+            for numel, seconds in exchange.writeback_samples:
+                self.writeback.add(numel, seconds, 0.0)
         records = exchange.records
         numel = sum(r.numel for r in records)
         selected = sum(r.selected for r in records)
@@ -560,6 +595,7 @@ class OMGSState:
             "elements": numel,
             "selected": selected,
             "density": selected / numel if numel else 0.0,
+            "step_density": exchange.density,
             "groups": len(records),
             "dense_groups": sum(1 for r in records if r.dense),
             "group_keys": [list(r.keys) for r in records],
@@ -593,9 +629,9 @@ class OMGSState:
         """Metrics of the last completed step and cumulative totals.
 
         Returns a dict with ``"last"`` (bytes sent by this rank, elements, selected
-        entries, achieved density, number of groups, dense groups, whether the step was
-        non-finite, measured forward+backward+communication seconds, host seconds in
-        top-k selection ``topk_s`` and in the hook body ``hook_s``), ``"total"``
+        entries, achieved density, the density asked for ``step_density``, number of
+        groups, dense groups, whether the step was non-finite, measured
+        forward+backward+communication seconds, host seconds in top-k selection ``topk_s`` and in the hook body ``hook_s``), ``"total"``
         (the same summed, plus re-plans), ``"plan"`` (groups as bucket indices, modes,
         strategy, predicted iteration seconds), ``"backward_s_per_unit"`` (median
         measured per bucket), ``"forward_s"``, ``"tail_s"`` (median seconds from a step's
