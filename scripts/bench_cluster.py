@@ -442,11 +442,11 @@ def slowest_rank(rows):
 def replayed_prediction(variant):
     """The cost model's iteration time for the plan in use, fed with timed-step measurements.
 
-    The plan's own prediction uses the backward and forward times measured during the
-    hook's dense warm-up. Here the same plan is evaluated (``planner.evaluate``) with
-    the per-bucket backward and forward times of the hook's measurement window, which
-    holds the timed steps (``measure_window``), averaged over ranks like the hook's
-    own planning input. This separates stale inputs from errors of the model itself.
+    The plan's own prediction uses the times measured during the untimed warm-up. Here
+    the same plan is evaluated (``planner.evaluate``) with the hook's own planning input
+    (``OMGSState.measured_instance``) built from its measurement window, which holds
+    the timed steps (``measure_window``). This separates stale inputs from errors of
+    the model itself.
     Collective: every rank must call it. Returns None without a plan.
     """
     import torch
@@ -461,8 +461,7 @@ def replayed_prediction(variant):
     dist.all_reduce(flag)
     if flag.item() < dist.get_world_size():
         return None
-    # the hook's own planning input (rank-averaged backward, forward, tail, per-group
-    # overhead), built from the measurement window = the timed steps
+    # the hook's own planning input, built from the measurement window = the timed steps
     instance = state.measured_instance(plan.layout)
     return evaluate(instance, plan.unit_groups(), dense=list(plan.dense)).predicted_iteration_s
 

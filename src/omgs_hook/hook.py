@@ -439,11 +439,13 @@ class OMGSState:
         return layout != self.plan.layout and streak >= LAYOUT_SETTLE_STEPS
 
     def measured_instance(self, layout=None):
-        """The planner's input from this step's measurements, averaged over ranks.
+        """The planner's input from the measurements of all ranks.
 
-        Per-bucket backward times, forward and tail times (medians over the measurement
-        window), the profile's collective costs (or the online refit) and its top-k cost
-        plus the hook's measured per-group work. Every rank gets the identical instance.
+        The slowest rank's timeline (tail, forward, per-bucket backward: median over the
+        measurement window of the per-step maximum over ranks), the profile's collective
+        costs (or the online refit) plus the measured receive side, and its top-k cost
+        plus the hook's measured per-group work (both averaged over ranks). Every rank
+        gets the identical instance.
         Collective: every rank must call it at the same point. ``layout`` defaults to the
         bucket layout of the current measurements.
         """
@@ -528,7 +530,7 @@ class OMGSState:
         return slowest_rank_timeline(per_rank)
 
     def _replan(self, layout):
-        """Compute the plan for ``layout`` from rank-averaged measurements (blocking)."""
+        """Compute the plan for ``layout`` from all ranks' measurements (blocking)."""
         instance, inputs = self._build_instance(layout)
         overhead_known = inputs["overhead_measured"]
         self._comm_override = inputs.pop("comm_override")
