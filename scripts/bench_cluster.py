@@ -95,6 +95,7 @@ _SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _SCRIPT_DIR]
 sys.path.append(_SCRIPT_DIR)
 
+from omgs_hook.cli_types import integer_at_least, non_negative_number, positive_number  # noqa: E402
 from omgs_hook.generated_docs import write_generated_section  # noqa: E402  (after sys.path)
 
 REPO_ROOT = os.path.dirname(_SCRIPT_DIR)
@@ -198,26 +199,7 @@ def _rate_override(text):
     return (model, nodes), rate.strip()
 
 
-def _positive(kind):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
-
-
-def _non_negative_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+_positive_int = integer_at_least(1)
 
 
 def build_parser():
@@ -235,26 +217,26 @@ def build_parser():
     add("--rate", type=_rate_override, action="append", default=[],
         help="link rate of one configuration, MODEL:N=RATE (repeatable); default: "
              "default_rate() (communication/computation ratio ~4)")
-    add("--steps", type=_positive(int), default=5, help="timed steps per variant and round")
-    add("--rounds", type=_positive(int), default=3, help="interleaved rounds")
-    add("--warmup-steps", type=_positive(int), default=5,
+    add("--steps", type=_positive_int, default=5, help="timed steps per variant and round")
+    add("--rounds", type=_positive_int, default=3, help="interleaved rounds")
+    add("--warmup-steps", type=_positive_int, default=5,
         help="the hooks' dense warm-up steps (omgs_hook warmup_steps, PowerSGD "
              "start_powerSGD_iter; at least 2)")
-    add("--replan-every", type=_positive(int), default=100, help="omgs_hook replan_every")
-    add("--batch-size", type=_positive(int), default=32, help="samples per rank and step")
-    add("--vgg-fc-width", type=_positive(int), default=2048,
+    add("--replan-every", type=_positive_int, default=100, help="omgs_hook replan_every")
+    add("--batch-size", type=_positive_int, default=32, help="samples per rank and step")
+    add("--vgg-fc-width", type=_positive_int, default=2048,
         help="width of vgg16's two hidden FC layers (2048: 20.0M parameters, close to the "
              "23M-parameter model the recommended rates were derived for)")
-    add("--sparse-bucket-cap-mb", type=_non_negative_float, default=0.0,
+    add("--sparse-bucket-cap-mb", type=non_negative_number, default=0.0,
         help="DDP bucket size of topk/lags/omgs (0: one parameter tensor per bucket)")
     add("--allow-dense", action="store_true",
         help="let the sparse hooks send a group as a dense all-reduce where their cost model "
              "says it is cheaper (omgs_hook's allow_dense, beyond the paper); default: every "
              "group sparse, as TopK-SGD, LAGS-SGD and OMGS-SGD are published")
-    add("--powersgd-rank", type=_positive(int), default=2, help="PowerSGD approximation rank")
+    add("--powersgd-rank", type=_positive_int, default=2, help="PowerSGD approximation rank")
     add("--topk-backend", default="auto", help="omgs_hook topk_backend of the sparse hooks")
     add("--seed", type=int, default=0)
-    add("--profile-reps", type=_positive(int), default=8,
+    add("--profile-reps", type=_positive_int, default=8,
         help="timed repetitions per point of the in-cluster profile")
     add("--results-dir", default=os.path.join(REPO_ROOT, "docs", "results"))
     add("--doc", default=os.path.join(REPO_ROOT, "docs", "benchmarks.md"))
@@ -263,11 +245,11 @@ def build_parser():
         help="measure nothing: re-render --doc and --plot from --results-dir")
     add("--quick", action="store_true",
         help="smoke run: resnet20, 2 nodes, 2 warm-up steps, 1 round of 2 steps, tiny profile")
-    add("--wait-load", type=_non_negative_float, default=None,
+    add("--wait-load", type=non_negative_number, default=None,
         help="before each configuration wait until the 1-minute load average is below this")
-    add("--wait-load-max-s", type=_non_negative_float, default=600.0,
+    add("--wait-load-max-s", type=non_negative_number, default=600.0,
         help="give up waiting for --wait-load after this long (and record the load)")
-    add("--timeout", type=_positive(float), default=1800.0,
+    add("--timeout", type=positive_number, default=1800.0,
         help="seconds one launch (profile or benchmark) may take before it is killed")
     add("--worker", metavar="CONFIG_JSON", default=None, help=argparse.SUPPRESS)
     return parser

@@ -1,6 +1,7 @@
 """argparse value types shared by the command-line tools (clear messages, no tracebacks)."""
 
 import argparse
+import math
 
 
 def integer_at_least(minimum):
@@ -26,4 +27,30 @@ def density(text):
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _finite_number(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+    return value
+
+
+def positive_number(text):
+    """An argparse ``type`` accepting a finite number > 0 (e.g. seconds)."""
+    value = _finite_number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def non_negative_number(text):
+    """An argparse ``type`` accepting a finite number >= 0."""
+    value = _finite_number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
