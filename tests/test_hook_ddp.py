@@ -220,8 +220,11 @@ def straggler_worker(rank, world_size, delay_s):
     train_steps(ddp, opt, 0, 10, rank)
     own_forward = state.meter.forward_s()
     instance = state.measured_instance()  # collective, like a re-plan
-    return {"planned_with": state.stats()["planned_with"], "own_forward": own_forward,
-            "instance": instance.to_dict(), "replans": state.stats()["total"]["replans"]}
+    stats = state.stats()
+    del ddp, state
+    gc.collect()
+    return {"planned_with": stats["planned_with"], "own_forward": own_forward,
+            "instance": instance.to_dict(), "replans": stats["total"]["replans"]}
 
 
 def mismatch_worker(rank, world_size):
