@@ -71,6 +71,13 @@ LAYOUT_SETTLE_STEPS = 3
 OVERHEAD_SETTLE_STEPS = 5
 
 
+def _check_fraction(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0.0 < float(value) <= 1.0):  # NaN fails the comparison too
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
 def _check_int(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -144,23 +151,14 @@ class OMGSState:
         measure_window=32,
         on_world_size_change="error",
     ):
-        if isinstance(density, bool) or not isinstance(density, (int, float)) or not (
-            0.0 < float(density) <= 1.0
-        ) or math.isnan(float(density)):
-            raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-        self.density = float(density)
+        self.density = _check_fraction("density", density)
         try:
             self.strategy = planner_mod.parse_strategy(strategy)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"strategy: {exc}") from None
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
         self.density_warmup_steps = _check_int("density_warmup_steps", density_warmup_steps, 0)
-        if isinstance(density_warmup_start, bool) or not isinstance(
-                density_warmup_start, (int, float)) or not (
-                0.0 < float(density_warmup_start) <= 1.0):
-            raise ValueError(
-                f"density_warmup_start must be a number in (0, 1], got {density_warmup_start!r}")
-        self.density_warmup_start = float(density_warmup_start)
+        self.density_warmup_start = _check_fraction("density_warmup_start", density_warmup_start)
         self.replan_every = _check_int("replan_every", replan_every, 1)
         self.log_every = _check_int("log_every", log_every, 0)
         measure_window = _check_int("measure_window", measure_window, 1)
@@ -460,32 +458,39 @@ class OMGSState:
             backward = [0.0] * len(layout)
         local = list(backward) + [self.meter.forward_s(), self.meter.tail_s()]
         fit = self._fitter.fit() if self._fitter is not None else None
-        local += [fit.alpha_s, fit.beta_s_per_byte, 1.0] if fit is not None else [0.0, 0.0, 0.0]
         # the hook's own per-group work is timed on the host: meaningful on CPU only (on
         # CUDA the kernels run asynchronously and the profile's top-k cost stands alone)
         on_host = self._device is None or self._device.type == "cpu"
-        overhead = self.overhead.estimate() if on_host else None
-        local += list(overhead) + [1.0] if overhead is not None else [0.0, 0.0, 0.0]
-        writeback = self.writeback.estimate() if on_host else None
-        local += list(writeback) + [1.0] if writeback is not None else [0.0, 0.0, 0.0]
+        optional = [  # (a, b) pairs some rank may not have yet
+            (fit.alpha_s, fit.beta_s_per_byte) if fit is not None else None,
+            self.overhead.estimate() if on_host else None,
+            self.writeback.estimate() if on_host else None,
+        ]
+        for pair in optional:  # each as a, b, known
+            local += [pair[0], pair[1], 1.0] if pair is not None else [0.0, 0.0, 0.0]
         rows = self._gather_rows(local)
         mean = [float(x) for x in rows.mean(dim=0)]  # same order on every rank: identical
         n = len(layout)
+
+        def agreed_pair(index):
+            """The rank-mean (a, b) of optional pair ``index`` if every rank had it."""
+            at = n + 2 + 3 * index
+            if float(rows[:, at + 2].min()) <= 0:
+                return None
+            return max(0.0, mean[at]), max(0.0, mean[at + 1])
+
         backward_s, forward_s, tail_s = mean[:n], mean[n], mean[n + 1]
         slowest = self._slowest_rank_timeline(layout)
         if slowest is not None:
             tail_s, forward_s, backward_s = slowest[0], slowest[1], slowest[2:]
-        comm = self.profile.comm
-        if self._fitter is not None and float(rows[:, n + 4].min()) > 0:
-            comm = LinearCost(alpha_s=max(0.0, mean[n + 2]), beta_s_per_byte=max(0.0, mean[n + 3]))
+        refit, overhead, writeback = (agreed_pair(i) for i in range(len(optional)))
+        # what the network itself costs: the profile's, or the online refit
+        network = self.profile.comm if refit is None else LinearCost(*refit)
+        comm = network
         topk = self.profile.topk_for(self._selector.name)
-        overhead_known = float(rows[:, n + 7].min()) > 0
-        per_group, per_element = (max(0.0, mean[n + 5]), max(0.0, mean[n + 6])) if overhead_known \
-            else (0.0, 0.0)
-        network = comm  # what the network itself costs (the profile's, or the online refit)
-        writeback_known = float(rows[:, n + 10].min()) > 0
-        wb_group, wb_element = (max(0.0, mean[n + 8]), max(0.0, mean[n + 9])) if writeback_known \
-            else (0.0, 0.0)
+        overhead_known = overhead is not None
+        per_group, per_element = overhead or (0.0, 0.0)
+        wb_group, wb_element = writeback or (0.0, 0.0)
         if wb_group or wb_element:
             # The receive side (scatter-add, averaging, write-back) follows each sparse
             # collective before its gradients are usable: ``w0 + w1 * D``. With
@@ -620,11 +625,9 @@ class OMGSState:
         if not self._last:
             return None
         last = dict(self._last)
-        exchange = self._last_exchange
-        if exchange is not None and exchange.step_number == last["step"]:
-            # read now: the last bucket's hook call may have been still running when the
-            # step finished (collective callbacks can complete it first)
-            last["hook_s"] = exchange.hook_s
+        # read now: the last bucket's hook call may have been still running when the step
+        # finished (collective callbacks can complete it first)
+        last["hook_s"] = self._last_exchange.hook_s
         return last
 
     def stats(self):
@@ -633,7 +636,8 @@ class OMGSState:
         Returns a dict with ``"last"`` (bytes sent by this rank, elements, selected
         entries, achieved density, the density asked for ``step_density``, number of
         groups, dense groups, whether the step was non-finite, measured
-        forward+backward+communication seconds, host seconds in top-k selection ``topk_s`` and in the hook body ``hook_s``), ``"total"``
+        forward+backward+communication seconds, host seconds in top-k selection
+        ``topk_s`` and in the hook body ``hook_s``), ``"total"``
         (the same summed, plus re-plans), ``"plan"`` (groups as bucket indices, modes,
         strategy, predicted iteration seconds), ``"backward_s_per_unit"`` (median
         measured per bucket), ``"forward_s"``, ``"tail_s"`` (median seconds from a step's
