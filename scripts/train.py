@@ -29,9 +29,11 @@ so an interrupted and a resumed run follow the same learning rates.
 
 Outputs: a tqdm progress bar on rank 0, ``--log FILE`` JSON lines (one per step with
 ``step``, ``epoch``, ``loss``, ``iter_s``, ``lr``; one per evaluation with ``epoch``,
-``step``, ``test_accuracy``, ``test_loss``; a final ``summary`` line; spelled
-``--log-file`` under torchrun, whose parser rejects ``--log``), and a final
-``summary:`` line on stdout. ``--checkpoint PATH`` writes the model, optimiser and step
+``step``, ``test_accuracy``, ``test_loss``; for the omgs hooks one ``"event": "plan"``
+line per entry of the hook's plan history, written at the step it appeared; a final
+``summary`` line with the whole ``plan_history``; spelled ``--log-file`` under torchrun,
+whose parser rejects ``--log``), and a final ``summary:`` line on stdout followed by the
+plan history. ``--checkpoint PATH`` writes the model, optimiser and step
 to PATH (rank 0) and every rank's hook state and RNG state to ``PATH.rank{r}``;
 ``--resume`` continues from them.
 """
@@ -62,6 +64,7 @@ from omgs_hook.examples import data as example_data  # noqa: E402
 from omgs_hook.examples.models import MODEL_NAMES, build_model, count_parameters  # noqa: E402
 
 HOOKS = ("allreduce", "powersgd", "topk", "lags", "omgs")
+SELECT_CHOICES = ("measured", "model")
 # planner strategy behind each omgs_hook-based --hook choice
 HOOK_STRATEGIES = {"topk": "single", "lags": "layerwise", "omgs": "optimal"}
 CHECKPOINT_FORMAT = "omgs-hook-train-checkpoint"
@@ -125,9 +128,20 @@ def parse_args(argv=None):
     add("--replan-every", type=int, default=100, help="omgs hooks: steps between re-plans")
     add("--profile", default=None, help="omgs hooks: cost-model profile JSON (omgs-profile)")
     add("--topk-backend", default="auto", help="omgs hooks: top-k backend (torch, sampled, cupy)")
-    add("--no-dense-groups", action="store_true",
-        help="omgs hooks: sparsify every group, even where the cost model finds a dense "
-             "all-reduce cheaper (as in the paper, which has no dense fallback)")
+    add("--allow-dense", action=argparse.BooleanOptionalAction, default=None,
+        help="omgs hooks: let the planner send a group as a dense all-reduce where that is "
+             "cheaper (allow_dense); --no-allow-dense sparsifies every group, as the paper "
+             "does (default: the library's default)")
+    add("--no-dense-groups", dest="allow_dense", action="store_false",
+        help="omgs hooks: the same as --no-allow-dense (older spelling)")
+    add("--select", choices=SELECT_CHOICES, default=None,
+        help="omgs hooks: how the plan is chosen: 'measured' (a short trial of candidate "
+             "plans, the fastest measured one wins) or 'model' (the cost model's optimum); "
+             "default: the library's default. Needs an omgs_hook with the select option")
+    add("--plan", default=None, metavar="FILE",
+        help="omgs hooks: pin this plan (saved from a previous run's plan history or "
+             "written by omgs-plan) instead of planning; needs an omgs_hook with the plan "
+             "option")
     add("--refit-online", action="store_true",
         help="omgs hooks: refit the communication model from measured collectives")
     add("--hook-log-every", type=int, default=100, help="omgs hooks: steps between log lines")
@@ -198,6 +212,16 @@ def _validate(parser, args):
     if args.hook == "powersgd" and args.warmup_steps < 2:
         parser.error("--warmup-steps: powersgd needs at least 2 dense steps (DDP rebuilds "
                      "its buckets after the first iteration)")
+    for option in ("select", "plan"):
+        if getattr(args, option) is None:
+            continue
+        if args.hook not in HOOK_STRATEGIES:
+            parser.error(f"--{option} only applies to the omgs hooks (topk, lags, omgs)")
+        if not hook_supports(option):
+            parser.error(f"--{option}: the installed omgs_hook has no {option!r} option "
+                         f"(OMGSState does not accept it); update the library")
+    if args.plan is not None and not os.path.isfile(args.plan):
+        parser.error(f"--plan: no such file: {args.plan}")
     if args.strategy is not None and args.hook != "omgs":
         parser.error(f"--strategy only applies to --hook omgs (--hook {args.hook} fixes it)")
     if (args.resume or args.resume_if_present) and not args.checkpoint:
@@ -349,6 +373,40 @@ def bucket_cap_for(args, model):
     return args.bucket_cap_mb
 
 
+def hook_supports(option):
+    """Whether the installed ``omgs_hook.OMGSState`` accepts the keyword ``option``.
+
+    Lets this script pass newer options (``select``, ``plan``) only to a library that
+    has them, so it keeps working with older and newer versions alike.
+    """
+    from omgs_hook.hook import OMGSState
+
+    parameters = inspect.signature(OMGSState.__init__).parameters
+    return option in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def hook_options(args):
+    """Keyword options of ``omgs_hook.register`` for an omgs-based ``--hook``.
+
+    Options the user left unset (``--allow-dense``, ``--select``, ``--plan``) are not
+    passed, so the library's own defaults apply.
+    """
+    strategy = args.strategy if args.hook == "omgs" and args.strategy else HOOK_STRATEGIES[args.hook]
+    options = dict(
+        density=args.density, strategy=strategy, warmup_steps=args.warmup_steps,
+        density_warmup_steps=args.density_warmup_steps, replan_every=args.replan_every,
+        profile=args.profile, topk_backend=args.topk_backend,
+        refit_online=args.refit_online, log_every=args.hook_log_every)
+    if args.allow_dense is not None:
+        options["allow_dense"] = args.allow_dense
+    if args.select is not None:
+        options["select"] = args.select
+    if args.plan is not None:
+        options["plan"] = args.plan
+    return options
+
+
 def attach_hook(ddp_model, args, device):
     """Register the chosen hook; return an object with state_dict/load_state_dict/stats."""
     if args.hook == "allreduce":
@@ -357,12 +415,7 @@ def attach_hook(ddp_model, args, device):
         return PowerSGDHook(ddp_model, args, device)
     import omgs_hook
 
-    strategy = args.strategy if args.hook == "omgs" and args.strategy else HOOK_STRATEGIES[args.hook]
-    return omgs_hook.register(
-        ddp_model, density=args.density, strategy=strategy, warmup_steps=args.warmup_steps,
-        density_warmup_steps=args.density_warmup_steps, replan_every=args.replan_every, profile=args.profile, topk_backend=args.topk_backend,
-        allow_dense=not args.no_dense_groups, refit_online=args.refit_online,
-        log_every=args.hook_log_every)
+    return omgs_hook.register(ddp_model, **hook_options(args))
 
 
 # ---------------------------------------------------------------------------------
@@ -496,6 +549,69 @@ def bytes_sent(hook_stats):
     return None
 
 
+class PlanHistory:
+    """The omgs hook's plan history, for the JSON log and the end-of-run output.
+
+    The hook's ``stats()["plan_history"]`` (step and plan of every plan it used) is read
+    whenever the hook's current plan object changes - a cheap identity check per step, so
+    ``stats()`` (which also computes the residual norm) is not called every step. With a
+    library that has no plan history, the plans seen (``stats()["plan"]``) are recorded
+    instead, each with the step after which it was first in use. Every entry not logged
+    yet is returned by :meth:`poll`, once.
+    """
+
+    def __init__(self, hook):
+        self.hook = hook
+        self.enabled = hook is not None and hasattr(hook, "plan")
+        self._plan = None
+        self.entries = []
+        self.from_hook = None  # True: the hook's own plan_history; False: our fallback
+
+    def poll(self, step, force=False):
+        if not self.enabled:
+            return []
+        plan = getattr(self.hook, "plan", None)
+        if plan is self._plan and not force:
+            return []
+        self._plan = plan
+        stats = self.hook.stats()
+        if "plan_history" in stats and stats["plan_history"] is not None:
+            self.from_hook = True
+            history = list(stats["plan_history"])
+            new = history[len(self.entries):]
+            self.entries = history
+            return new
+        self.from_hook = False
+        current = stats.get("plan")
+        if current is None or (self.entries and self.entries[-1]["plan"] == current):
+            return []
+        entry = {"step": step, "plan": current}
+        self.entries.append(entry)
+        return [entry]
+
+
+def describe_plan_entry(entry):
+    """One plan-history entry in a line: step, groups (units per group), dense groups."""
+    if not isinstance(entry, dict):
+        return json.dumps(entry, default=_json_default)
+    plan = entry.get("plan") if isinstance(entry.get("plan"), dict) else entry
+    step = entry.get("step", plan.get("made_at_step"))
+    groups = plan.get("groups")
+    parts = [f"step {step}:"]
+    if plan.get("strategy") is not None:
+        parts.append(str(plan["strategy"]))
+    if isinstance(groups, (list, tuple)):
+        sizes = [len(g) if isinstance(g, (list, tuple)) else g for g in groups]
+        parts.append(f"{len(sizes)} groups {sizes}")
+    dense = plan.get("dense")
+    if isinstance(dense, (list, tuple)):
+        parts.append(f"({sum(bool(d) for d in dense)} dense)")
+    for key in ("reason", "source", "select"):
+        if entry.get(key) is not None:
+            parts.append(f"{key} {entry[key]}")
+    return " ".join(parts)
+
+
 # ---------------------------------------------------------------------------------
 # training
 # ---------------------------------------------------------------------------------
@@ -559,6 +675,7 @@ def train(args, rank, world_size, device):
 
     iter_times = []
     evaluation = None
+    plan_history = PlanHistory(hook)
     step = start_step
     epoch = step // steps_per_epoch
     ddp_model.train()
@@ -587,6 +704,8 @@ def train(args, rank, world_size, device):
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; "
                                          f"try a smaller --lr")
             log.write(step=step, epoch=epoch, loss=loss_value, iter_s=iter_s, lr=lr)
+            for entry in plan_history.poll(step):
+                log.write(event="plan", step=step, plan_history_entry=entry)
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss_value:.3f}", ms=f"{1000 * iter_s:.0f}",
@@ -623,13 +742,24 @@ def train(args, rank, world_size, device):
         if args.checkpoint and step > start_step:
             save_checkpoint(args, rank, world_size, step, model, optimizer, hook)
 
+    for entry in plan_history.poll(step, force=True):
+        log.write(event="plan", step=step, plan_history_entry=entry)
     summary = summarise(args, world_size, start_step, step, iter_times, evaluation, hook, model)
+    if plan_history.enabled:
+        summary["plan_history"] = plan_history.entries
+        summary["plan_history_source"] = "hook" if plan_history.from_hook else "train.py"
     log.write(**summary)
     log.close()
     if is_main:
         print("summary: " + " ".join(f"{key}={_format(value)}" for key, value in summary.items()
-                                     if key not in ("summary", "hook_stats")
+                                     if key not in ("summary", "hook_stats", "plan_history",
+                                                    "plan_history_source")
                                      and value is not None), flush=True)
+        if plan_history.enabled:
+            print(f"plan history ({len(plan_history.entries)} plan(s)"
+                  f"{'' if plan_history.from_hook else ', as seen by train.py'}):", flush=True)
+            for entry in plan_history.entries:
+                print("  " + describe_plan_entry(entry), flush=True)
     return summary
 
 

@@ -236,7 +236,10 @@ def test_convergence_quick_run(tmp_path):
         "topk": {"backend": "sampled", "c0": 2e-4, "c1": 3e-9, "c2": 0.0}}))
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "convergence.py"), "--quick", "--results", str(results),
-         "--doc", str(doc), "--plot", str(png), "--profile", str(profile)],
+         "--doc", str(doc), "--plot", str(png), "--profile", str(profile),
+         # every group sparse: with dense groups allowed the plan (with the hook's measured
+         # selection: timed on loopback, where dense is cheap) may send everything dense
+         "--", "--no-allow-dense"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:]
     runs = json.loads(results.read_text())["runs"]

@@ -6,6 +6,7 @@ of blocking the suite. Runs use the 8x8 digits and small batches to stay fast.
 """
 
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -62,6 +63,12 @@ def launch_ok(args, nproc=2):
     returncode, output = launch(args, nproc)
     assert returncode == 0, f"train.py failed ({returncode}):\n{output[-6000:]}"
     return output
+
+
+def _groups_of(entry):
+    """The groups of one plan-history entry ({"step", "plan": {...}} or a flat plan)."""
+    plan = entry.get("plan") if isinstance(entry.get("plan"), dict) else entry
+    return plan["groups"]
 
 
 def read_log(path):
@@ -140,6 +147,121 @@ def test_omgs_based_hooks_map_to_planner_strategies(train_script, monkeypatch):
     assert train_script.attach_hook(object(), train_script.parse_args(
         ["--hook", "allreduce"]), torch.device("cpu")) is None
     assert len(calls) == 4
+
+
+def _hook_has(option):
+    from omgs_hook.hook import OMGSState
+
+    return option in inspect.signature(OMGSState.__init__).parameters
+
+
+HAS_SELECT = _hook_has("select")
+HAS_PLAN = _hook_has("plan")
+
+
+def test_unset_hook_options_are_left_to_the_library(train_script):
+    options = train_script.hook_options(train_script.parse_args(["--hook", "omgs"]))
+    assert not {"allow_dense", "select", "plan"} & set(options)
+    assert options["strategy"] == "optimal"
+    for argv, expected in ((["--no-allow-dense"], False), (["--no-dense-groups"], False),
+                           (["--allow-dense"], True)):
+        args = train_script.parse_args(["--hook", "lags", *argv])
+        assert args.allow_dense is expected, argv
+        assert train_script.hook_options(args)["allow_dense"] is expected, argv
+
+
+def test_select_and_plan_need_an_omgs_hook(train_script, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    for argv in (["--hook", "allreduce", "--select", "model"],
+                 ["--hook", "powersgd", "--plan", str(plan)],
+                 ["--hook", "omgs", "--select", "fastest"],
+                 ["--hook", "omgs", "--plan", str(tmp_path / "missing.json")]):
+        with pytest.raises(SystemExit):
+            train_script.parse_args(argv)
+    assert "--plan" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_SELECT, reason="this omgs_hook has the select option")
+def test_select_is_refused_clearly_by_a_library_without_it(train_script, capsys):
+    with pytest.raises(SystemExit):
+        train_script.parse_args(["--hook", "omgs", "--select", "model"])
+    assert "--select: the installed omgs_hook has no 'select' option" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_PLAN, reason="this omgs_hook has the plan option")
+def test_plan_is_refused_clearly_by_a_library_without_it(train_script, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    with pytest.raises(SystemExit):
+        train_script.parse_args(["--hook", "omgs", "--plan", str(plan)])
+    assert "--plan: the installed omgs_hook has no 'plan' option" in capsys.readouterr().err
+
+
+def test_select_and_plan_are_passed_through(train_script, tmp_path, monkeypatch):
+    """With a library that takes them (faked here), --select and --plan reach register()."""
+    import omgs_hook
+
+    calls = []
+    monkeypatch.setitem(vars(omgs_hook), "register",
+                        lambda ddp, **options: calls.append(options))
+    monkeypatch.setattr(train_script, "hook_supports", lambda option: True)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"groups": [[0, 1], [2]], "dense": [False, False]}))
+    args = train_script.parse_args(["--hook", "omgs", "--select", "model", "--plan", str(plan),
+                                    "--no-allow-dense"])
+    train_script.attach_hook(object(), args, torch.device("cpu"))
+    assert calls[-1]["select"] == "model" and calls[-1]["allow_dense"] is False
+    assert calls[-1]["plan"] == str(plan)
+    args = train_script.parse_args(["--hook", "topk", "--select", "measured"])
+    train_script.attach_hook(object(), args, torch.device("cpu"))
+    assert calls[-1]["select"] == "measured" and calls[-1]["strategy"] == "single"
+    assert "plan" not in calls[-1]
+
+
+class _FakeHook:
+    """Just enough of OMGSState for PlanHistory: a plan attribute and stats()."""
+
+    def __init__(self, with_history):
+        self.plan = None
+        self.with_history = with_history
+        self.history = []
+        self.stats_calls = 0
+
+    def use(self, step, groups):
+        self.plan = object()  # a new plan object, as the hook makes on every re-plan
+        self.history.append({"step": step, "plan": {"groups": groups,
+                                                   "dense": [False] * len(groups)}})
+
+    def stats(self):
+        self.stats_calls += 1
+        plan = self.history[-1]["plan"] if self.history else None
+        out = {"plan": plan}
+        if self.with_history:
+            out["plan_history"] = list(self.history)
+        return out
+
+
+@pytest.mark.parametrize("with_history", [True, False])
+def test_plan_history_reports_every_plan_once(train_script, with_history):
+    hook = _FakeHook(with_history)
+    history = train_script.PlanHistory(hook)
+    assert history.poll(1) == [] and hook.stats_calls == 0  # no plan yet: no stats() call
+    hook.use(2, [[0, 1, 2]])
+    new = history.poll(2)
+    assert [e["plan"]["groups"] for e in new] == [[[0, 1, 2]]] and new[0]["step"] == 2
+    calls = hook.stats_calls
+    assert history.poll(3) == [] and history.poll(4) == []
+    assert hook.stats_calls == calls  # same plan object: stats() is not called again
+    hook.use(5, [[0], [1, 2]])
+    new = history.poll(5)
+    assert [e["plan"]["groups"] for e in new] == [[[0], [1, 2]]] and new[0]["step"] == 5
+    assert history.poll(6, force=True) == []
+    assert [e["step"] for e in history.entries] == [2, 5]
+    assert history.from_hook is with_history
+    line = train_script.describe_plan_entry(history.entries[1])
+    assert line == "step 5: 2 groups [1, 2] (0 dense)"
+    assert train_script.PlanHistory(None).poll(1) == []
 
 
 # --------------------------------------------------------------------- torchrun launches
@@ -263,11 +385,12 @@ def test_powersgd_compresses_on_gloo_without_hanging(tmp_path):
 @pytest.mark.multiprocess
 def test_omgs_trains_sparsely_and_resumes_its_state(tmp_path):
     checkpoint, log = tmp_path / "o.pt", tmp_path / "o.jsonl"
-    # --no-dense-groups: on loopback the cost model would send most groups dense
+    # --no-allow-dense: on loopback the plan would send most groups dense
     common = SYNTHETIC + ["--hook", "omgs", "--density", "0.05", "--warmup-steps", "2",
-                          "--no-dense-groups", "--checkpoint", str(checkpoint),
+                          "--no-allow-dense", "--checkpoint", str(checkpoint),
                           "--log-file", str(log)]
-    launch_ok(common + ["--steps", "5"])
+    output = launch_ok(common + ["--steps", "5"])
+    assert "plan history (" in output and "  step " in output
     saved = torch.load(f"{checkpoint}.rank1", weights_only=True)["hook_state"]
     assert saved["step"] == 5 and saved["residuals"]
     launch_ok(common + ["--steps", "8", "--resume"])
@@ -276,6 +399,12 @@ def test_omgs_trains_sparsely_and_resumes_its_state(tmp_path):
     assert all(math.isfinite(r["loss"]) for r in steps)
     stats = summaries[-1]["hook_stats"]
     assert stats["step"] == 8 and stats["total"]["steps"] == 8  # counters continued
+    # the plan history: logged as it happens, and whole in the summary
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    plan_lines = [r for r in records if r.get("event") == "plan"]
+    assert plan_lines and all(r["step"] >= 2 for r in plan_lines)
+    history = summaries[-1]["plan_history"]
+    assert history and _groups_of(history[-1]) == stats["plan"]["groups"]
     assert stats["plan"] is not None and stats["plan"]["num_groups"] >= 1
     assert stats["plan"]["dense"] == [False] * stats["plan"]["num_groups"]
     assert len(stats["backward_s_per_unit"]) > 1, "bucket_cap_mb=0.1 gives several buckets"
@@ -285,3 +414,35 @@ def test_omgs_trains_sparsely_and_resumes_its_state(tmp_path):
     assert summaries[-1]["bytes_sent"] == total["bytes_sent"]
     expected = 2 * dense_step + 6 * 0.1 * dense_step
     assert expected <= total["bytes_sent"] < expected + 0.01 * dense_step
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not HAS_PLAN, reason="this omgs_hook has no plan option yet")
+def test_a_pinned_plan_is_used(tmp_path):
+    """--plan FILE: the run uses that plan (here: one written like omgs-plan's output)."""
+    log = tmp_path / "pinned.jsonl"
+    # resnet20 with --bucket-cap-mb 0.1 has 9 DDP buckets; pin 3 sparse groups of 3
+    plan = {"strategy": "pinned", "groups": [[0, 1, 2], [3, 4, 5], [6, 7, 8]],
+            "dense": [False, False, False]}
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    launch_ok(SYNTHETIC + ["--hook", "omgs", "--density", "0.05", "--warmup-steps", "2",
+                           "--steps", "6", "--plan", str(plan_file), "--log-file", str(log)])
+    _, _, (summary,) = read_log(log)
+    assert summary["hook_stats"]["plan"]["groups"] == plan["groups"]
+    assert summary["hook_stats"]["plan"]["dense"] == plan["dense"]
+    assert _groups_of(summary["plan_history"][-1]) == plan["groups"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not HAS_SELECT, reason="this omgs_hook has no select option yet")
+def test_model_selection_logs_the_hooks_plan_history(tmp_path):
+    log = tmp_path / "model.jsonl"
+    output = launch_ok(SYNTHETIC + ["--hook", "omgs", "--density", "0.05", "--warmup-steps",
+                                    "2", "--steps", "10", "--select", "model",
+                                    "--no-allow-dense", "--log-file", str(log)])
+    _, _, (summary,) = read_log(log)
+    assert summary["plan_history_source"] == "hook" and summary["plan_history"]
+    assert "hook_stats" in summary and summary["hook_stats"]["plan_history"] == \
+        summary["plan_history"]
+    assert "plan history (" in output and "as seen by train.py" not in output
