@@ -101,10 +101,19 @@ from omgs_hook.generated_docs import write_generated_section  # noqa: E402  (aft
 REPO_ROOT = os.path.dirname(_SCRIPT_DIR)
 PROFILE_SCRIPT = os.path.join(_SCRIPT_DIR, "profile.py")
 
-HOOKS = ("allreduce", "powersgd", "topk", "lags", "omgs")
+HOOKS = ("allreduce", "powersgd", "topk", "lags", "greedy", "omgs", "omgs_dense", "default")
 REFERENCE = "compute"
 VARIANTS = (REFERENCE,) + HOOKS
-SPARSE_STRATEGIES = {"topk": "single", "lags": "layerwise", "omgs": "optimal"}
+# omgs_hook variants with a fixed planner strategy (selection by the cost model)
+SPARSE_STRATEGIES = {"topk": "single", "lags": "layerwise", "greedy": "greedy",
+                     "omgs": "optimal", "omgs_dense": "optimal"}
+# every variant built on omgs_hook.register (the fixed ones and the library's default)
+OMGS_VARIANTS = tuple(SPARSE_STRATEGIES) + ("default",)
+# the fixed plans the default's selection chooses among (the ones benchmarked here)
+CANDIDATES = ("topk", "lags", "greedy", "omgs", "omgs_dense")
+# prediction error is reported per strategy: the variant measuring each one
+PREDICTION_STRATEGIES = {"single": "topk", "layerwise": "lags", "optimal": "omgs",
+                         "optimal+dense": "omgs_dense"}
 MODELS = ("resnet20", "vgg16")
 HOOK_LABELS = {
     "compute": "compute only (no communication)",
@@ -112,7 +121,10 @@ HOOK_LABELS = {
     "powersgd": "PowerSGD",
     "topk": "TopK-SGD (single group)",
     "lags": "LAGS-SGD (layer-wise)",
+    "greedy": "greedy merge",
     "omgs": "OMGS-SGD (optimal merge)",
+    "omgs_dense": "OMGS-SGD + dense groups",
+    "default": "omgs_hook default",
 }
 # netem_cluster.RECOMMENDED_RATES for vgg16 were derived for a 23M-parameter VGG-style
 # model computing 0.293 s (2 ranks) / 0.618 s (4 ranks) per step. The vgg16 benchmarked
@@ -131,10 +143,18 @@ DDP_SETUP_STEPS = 2
 SETTLE_STEPS = 1
 SYNTHETIC_BATCHES = 4
 RESULT_PREFIX = "bench_"
+# The default variant's warm-up runs until its plan has settled (its selection trial, if
+# the library runs one, is over): at most this many steps beyond the fixed variants'
+# warm-up, and the plan unchanged for DEFAULT_STABLE_STEPS steps on every rank.
+DEFAULT_MAX_SETTLE_STEPS = 60
+DEFAULT_STABLE_STEPS = 3
 # Targets of the issue (reported, never tuned for).
 TARGET_SPEEDUP_VS_SPARSE = 1.3
 TARGET_SPEEDUP_VS_ALLREDUCE = 2.0
 TARGET_PREDICTION_ERROR = 0.15
+TARGET_DEFAULT_VS_BEST_PEER = 0.98   # default at least 0.98x the better of TopK/LAGS
+TARGET_DEFAULT_VS_CANDIDATE = 0.02   # never more than 2% slower than any candidate
+TARGET_STRATEGY_PREDICTION_ERROR = 0.10
 
 
 # =====================================================================================
@@ -233,6 +253,9 @@ def build_parser():
         help="let the sparse hooks send a group as a dense all-reduce where their cost model "
              "says it is cheaper (omgs_hook's allow_dense, beyond the paper); default: every "
              "group sparse, as TopK-SGD, LAGS-SGD and OMGS-SGD are published")
+    add("--default-max-settle-steps", type=_positive_int, default=DEFAULT_MAX_SETTLE_STEPS,
+        help="untimed steps the default variant may run beyond the others' warm-up until "
+             "its plan is settled (its measured selection trial, if any, is over)")
     add("--powersgd-rank", type=_positive_int, default=2, help="PowerSGD approximation rank")
     add("--topk-backend", default="auto", help="omgs_hook topk_backend of the sparse hooks")
     add("--seed", type=int, default=0)
@@ -294,9 +317,56 @@ class Variant:
         self.hook_state = hook_state
         self.bucket_cap_mb = bucket_cap_mb
         self.steps_run = 0
+        self.hook_options = None  # the options register() got (omgs_hook variants)
+        self.plan_at_timing_start = None
         self.round_medians = []  # per round: median slowest-rank iteration seconds
         # per timed step, slowest rank: (iteration_s, optimizer_s, topk_s, hook_s)
         self.times = []
+
+
+def hook_supports(option):
+    """Whether the installed ``omgs_hook.OMGSState`` takes the keyword ``option``."""
+    import inspect
+
+    from omgs_hook.hook import OMGSState
+
+    return option in inspect.signature(OMGSState.__init__).parameters
+
+
+def library_defaults():
+    """The default option values of the installed ``OMGSState`` (recorded per result)."""
+    import inspect
+
+    from omgs_hook.hook import OMGSState
+
+    out = {}
+    for name, parameter in inspect.signature(OMGSState.__init__).parameters.items():
+        if name in ("self", "process_group", "module") or parameter.default is parameter.empty:
+            continue
+        value = parameter.default
+        out[name] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+    return out
+
+
+def library_info():
+    """Which omgs_hook was benchmarked: its source folder, git commit, default options."""
+    import subprocess
+
+    import omgs_hook
+
+    folder = os.path.dirname(os.path.abspath(omgs_hook.__file__))
+    info = {"path": folder, "commit": None, "dirty": None, "defaults": library_defaults()}
+    try:
+        info["commit"] = subprocess.run(
+            ["git", "-C", folder, "rev-parse", "HEAD"], capture_output=True, text=True,
+            check=True, timeout=30).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", folder, "status", "--porcelain", "--", "."], capture_output=True,
+            text=True, check=True, timeout=30).stdout
+        info["dirty"] = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
 
 
 def _ddp_options(torch_ddp):
@@ -356,15 +426,31 @@ def make_variants(config, initial_state, profile_path):
                 warm_start=True, random_seed=config["seed"])
             net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         elif name in SPARSE_STRATEGIES:
+            options = {}
+            if hook_supports("select"):
+                # a fixed strategy chosen by the cost model: these variants are the plans
+                # the default's measured selection chooses among
+                options["select"] = "model"
             state = omgs_hook.register(
                 net, density=config["density"], strategy=SPARSE_STRATEGIES[name],
                 warmup_steps=config["warmup_steps"], replan_every=config["replan_every"],
                 profile=profile_path, topk_backend=config["topk_backend"],
-                allow_dense=config["allow_dense"], log_every=0,
+                allow_dense=config["allow_dense"] or name == "omgs_dense", log_every=0,
                 # the window then holds exactly the timed steps at the end (see
                 # replayed_prediction); no re-plan happens within a benchmark
-                measure_window=max(config["warmup_steps"], config["steps"] * config["rounds"]))
-        variants.append(Variant(name, module, net, optimizer, state, cap))
+                measure_window=max(config["warmup_steps"], config["steps"] * config["rounds"]),
+                **options)
+        elif name == "default":
+            # what a user gets: register() with only density and profile, every other
+            # option at the library's default of the version being benchmarked
+            state = omgs_hook.register(net, density=config["density"], profile=profile_path)
+        variant = Variant(name, module, net, optimizer, state, cap)
+        if name in OMGS_VARIANTS:
+            variant.hook_options = {key: getattr(state, key, None) for key in (
+                "density", "warmup_steps", "replan_every", "allow_dense", "topk_backend",
+                "select")}
+            variant.hook_options["strategy"] = repr(state.strategy)
+        variants.append(variant)
     if REFERENCE in config["variants"] and "allreduce" in config["variants"]:
         # The compute reference reuses the allreduce model (its weights, optimiser and
         # DDP wrapper in no_sync mode): a whole extra copy of a 20M-parameter model,
@@ -404,7 +490,7 @@ def run_step(variant, batch):
         raise FloatingPointError(f"{variant.name}: loss became {loss.item()}")
     variant.steps_run += 1
     topk = hook = 0.0
-    if variant.name in SPARSE_STRATEGIES:
+    if variant.name in OMGS_VARIANTS:
         # the hook's own per-step timers: host seconds in top-k and in its per-bucket calls
         last = variant.hook_state.stats()["last"] or {}
         topk, hook = last.get("topk_s", 0.0), last.get("hook_s", 0.0)
@@ -454,12 +540,19 @@ def variant_report(variant):
               "steps_run": variant.steps_run, "round_medians_s": variant.round_medians}
     report.update(summarise_times(variant.times))
     state = variant.hook_state
-    if variant.name in SPARSE_STRATEGIES and state is not None:
+    if variant.name in OMGS_VARIANTS and state is not None:
         stats = state.stats()
         plan = stats.get("plan") or {}
         last = stats.get("last") or {}
         backward = stats.get("backward_s_per_unit") or []
         report["hook"] = {
+            "options": variant.hook_options,
+            "plan_strategy": plan.get("strategy"),
+            "plan_at_timing_start": variant.plan_at_timing_start,
+            "plan_changed_while_timed": plan_signature(state) != variant.plan_at_timing_start,
+            # whatever the library reports about its plan choice (measured selection:
+            # candidates with predicted and measured times, winner), verbatim
+            **{key: _json_safe(stats[key]) for key in SELECTION_STATS_KEYS if key in stats},
             "predicted_iteration_s": stats.get("predicted_iteration_s"),
             "plan_groups": plan.get("groups"),
             "plan_dense": plan.get("dense"),
@@ -482,6 +575,75 @@ def variant_report(variant):
         numel = sum(p.numel() for p in variant.module.parameters())
         report["hook"] = {"bytes_sent_per_step": 4 * numel}
     return report
+
+
+# keys of OMGSState.stats() describing how the plan was chosen, copied into the results
+SELECTION_STATS_KEYS = ("plan_history", "selection", "trial", "candidates", "select")
+
+
+def _json_safe(value):
+    """``value`` with anything JSON cannot hold (tensors, tuples of objects) made plain."""
+    return json.loads(json.dumps(value, default=lambda o: o.tolist() if hasattr(o, "tolist")
+                                 else repr(o)))
+
+
+def plan_signature(state):
+    """The plan in use as plain data: (groups, dense) or None."""
+    plan = getattr(state, "plan", None)
+    if plan is None:
+        return None
+    return [plan.unit_groups(), [bool(d) for d in plan.dense]]
+
+
+def _selection_in_progress(stats):
+    """Whether the hook says its measured plan selection (trial) is still running.
+
+    Reads the library's stats without knowing their exact shape: a ``selection`` or
+    ``trial`` entry with an ``active``/``running``/``in_progress`` flag, a
+    ``done``/``finished`` flag, or a ``phase``/``state`` naming a trial. Unknown shapes
+    count as not running; the plan-stability rule of :func:`settle_default` still holds.
+    """
+    for key in ("selection", "trial"):
+        info = stats.get(key)
+        if not isinstance(info, dict):
+            continue
+        for flag in ("active", "running", "in_progress", "in_trial", "trial_active"):
+            if flag in info:
+                return bool(info[flag])
+        for flag in ("done", "finished", "complete", "decided"):
+            if flag in info:
+                return not info[flag]
+        phase = info.get("phase", info.get("state"))
+        if isinstance(phase, str):
+            return phase.lower() in ("trial", "running", "measuring", "active", "remeasure")
+    return False
+
+
+def settle_default(variant, batches, max_steps, stable_steps):
+    """Run the default variant until its plan has settled; return the extra steps run.
+
+    Settled: on every rank, no selection trial in progress and the same plan for the
+    last ``stable_steps`` steps. Collective (one small all-reduce per step), so all
+    ranks run the same number of steps.
+    """
+    import torch
+    import torch.distributed as dist
+
+    extra = 0
+    stable = 0
+    previous = plan_signature(variant.hook_state)
+    while extra < max_steps:
+        run_step(variant, batches[variant.steps_run % len(batches)])
+        extra += 1
+        current = plan_signature(variant.hook_state)
+        stable = stable + 1 if current == previous and current is not None else 0
+        previous = current
+        busy = _selection_in_progress(variant.hook_state.stats())
+        flag = torch.tensor([float(stable >= stable_steps and not busy)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item() == 1.0:
+            break
+    return extra
 
 
 def warmup_steps_for(name, hook_warmup_steps):
@@ -526,12 +688,20 @@ def run_worker(config_path):
 
         warmup = {}
         for variant in variants:  # warm-up is per variant; it is never timed
-            warmup[variant.name] = warmup_steps_for(variant.name, config["warmup_steps"])
+            hook_warmup = config["warmup_steps"]
+            if variant.name == "default":
+                hook_warmup = variant.hook_state.warmup_steps  # the library's default
+            warmup[variant.name] = warmup_steps_for(variant.name, hook_warmup)
             for step in range(warmup[variant.name]):
                 run_step(variant, batches[step % len(batches)])
-            if variant.name in SPARSE_STRATEGIES and variant.hook_state.stats()["plan"] is None:
-                raise RuntimeError(f"{variant.name}: no plan after {warmup[variant.name]} "
-                                   f"warm-up steps")
+            if variant.name == "default":
+                warmup[variant.name] += settle_default(
+                    variant, batches, config["default_max_settle_steps"], DEFAULT_STABLE_STEPS)
+            if variant.name in OMGS_VARIANTS:
+                if variant.hook_state.stats()["plan"] is None:
+                    raise RuntimeError(f"{variant.name}: no plan after {warmup[variant.name]} "
+                                       f"warm-up steps")
+                variant.plan_at_timing_start = plan_signature(variant.hook_state)
         dist.barrier()
         order = list(range(len(variants)))
         for round_index in range(config["rounds"]):
@@ -640,6 +810,61 @@ def analyse(result):
         if replayed is not None:
             out["replayed_s"] = replayed
             out["replayed_prediction_error"] = (replayed - omgs) / omgs
+    out.update(analyse_default(variants))
+    return out
+
+
+def _prediction_error(variant):
+    if not variant or variant.get("median_s") is None:
+        return None
+    predicted = (variant.get("hook") or {}).get("predicted_iteration_s")
+    if predicted is None:
+        return None
+    return (predicted - variant["median_s"]) / variant["median_s"]
+
+
+def analyse_default(variants):
+    """The library default against its peers and candidates; prediction error per strategy.
+
+    ``default_vs_best_peer``: the better of TopK/LAGS over the default (>= 0.98 wanted);
+    ``default_slowdown``: per candidate plan, default / candidate - 1 (<= 2% wanted);
+    ``default_vs_powersgd``: PowerSGD over the default (> 1: the default is ahead);
+    ``strategy_prediction_error``: per strategy, (predicted - measured) / measured.
+    """
+    def median(name):
+        v = variants.get(name)
+        return v.get("median_s") if v else None
+
+    out = {}
+    errors = {strategy: _prediction_error(variants.get(name))
+              for strategy, name in PREDICTION_STRATEGIES.items()}
+    errors = {k: v for k, v in errors.items() if v is not None}
+    if errors:
+        out["strategy_prediction_error"] = errors
+    default = median("default")
+    if default is None:
+        return out
+    default_error = _prediction_error(variants.get("default"))
+    if default_error is not None:
+        out["default_prediction_error"] = default_error
+    peers = [(median(n), n) for n in ("topk", "lags") if median(n) is not None]
+    if peers:
+        best, best_name = min(peers)
+        out["default_best_peer"] = best_name
+        out["default_vs_best_peer"] = best / default
+    slowdown = {name: default / median(name) - 1.0 for name in CANDIDATES
+                if median(name) is not None}
+    if slowdown:
+        out["default_slowdown"] = slowdown
+        worst = max(slowdown, key=slowdown.get)
+        out["default_worst_candidate"] = worst
+        out["default_worst_slowdown"] = slowdown[worst]
+        fastest = min((median(n), n) for n in slowdown)
+        out["fastest_candidate"] = fastest[1]
+    if median("powersgd") is not None:
+        out["default_vs_powersgd"] = median("powersgd") / default
+    if median("allreduce") is not None:
+        out["default_vs_allreduce"] = median("allreduce") / default
     return out
 
 
@@ -737,6 +962,7 @@ def run_configuration(cluster, model, density, args, workdir):
         "sparse_bucket_cap_mb": args.sparse_bucket_cap_mb, "powersgd_rank": args.powersgd_rank,
         "topk_backend": args.topk_backend, "allow_dense": args.allow_dense,
         "seed": args.seed, "profile_path": profile_path,
+        "default_max_settle_steps": args.default_max_settle_steps,
         "out": os.path.join(workdir, f"worker_{tag}.json"),
         "pg_timeout_s": int(args.timeout), **common,
     }
@@ -763,7 +989,8 @@ def run_configuration(cluster, model, density, args, workdir):
         "settings": {k: worker_config[k] for k in (
             "steps", "rounds", "warmup_steps", "replan_every", "batch_size", "lr",
             "sparse_bucket_cap_mb", "powersgd_rank", "topk_backend", "seed", "vgg_fc_width",
-            "allow_dense")},
+            "allow_dense", "default_max_settle_steps")},
+        "library": library_info(),
         "load_before": load_before, "load_after": load_average(),
         "profile": {key: profile.get(key) for key in
                     ("comm", "dense", "topk", "world_size", "settings", "fit_errors")},
@@ -858,6 +1085,11 @@ def format_console_summary(result):
                          f"[{_ms(v['p25_s'])}, {_ms(v['p75_s'])}] top-k "
                          f"{_ms(v['topk_median_s'])} ms{extra}")
     a = result["analysis"]
+    if a.get("default_vs_best_peer") is not None:
+        lines.append(f"  default vs best of topk/lags {_x(a['default_vs_best_peer'])}, worst "
+                     f"candidate {a.get('default_worst_candidate')} "
+                     f"{_pct(a.get('default_worst_slowdown'))}, vs powersgd "
+                     f"{_x(a.get('default_vs_powersgd'))}")
     lines.append(f"  omgs vs best of topk/lags {_x(a.get('speedup_vs_best_sparse'))}, "
                  f"vs allreduce {_x(a.get('speedup_vs_allreduce'))}, "
                  f"prediction {_pct(a.get('prediction_error'))}, "
@@ -932,8 +1164,8 @@ def render_tables(results, plot_name):
             else:
                 sent_text = "-" if sent is None else f"{sent / 1e3:.1f} kB"
             speed = None if allreduce is None else allreduce / v["median_s"]
-            topk = v.get("topk_median_s") if name in SPARSE_STRATEGIES else None
-            hook_s = v.get("hook_median_s") if name in SPARSE_STRATEGIES else None
+            topk = v.get("topk_median_s") if name in OMGS_VARIANTS else None
+            hook_s = v.get("hook_median_s") if name in OMGS_VARIANTS else None
             out.append(
                 f"| {HOOK_LABELS[name]} | {_ms(v['median_s'])} | [{_ms(v['p25_s'])}, "
                 f"{_ms(v['p75_s'])}] | {round_text} | {_ms(topk)} | {_ms(hook_s)} | "
@@ -942,11 +1174,22 @@ def render_tables(results, plot_name):
                 f"{_ms(hook.get('replayed_prediction_s'))} | {groups} | {sent_text} | "
                 f"{_x(speed)} |")
         out.append("")
-        plan = (r["variants"].get("omgs") or {}).get("hook") or {}
-        if plan.get("plan_groups"):
-            sizes = [len(g) for g in plan["plan_groups"]]
-            out.append(f"OMGS plan: {len(sizes)} groups of {sizes} consecutive units "
-                       f"(units in gradient-ready order).\n")
+        plan_lines = []
+        for name in ("omgs", "omgs_dense", "greedy", "default"):
+            plan = (r["variants"].get(name) or {}).get("hook") or {}
+            if plan.get("plan_groups"):
+                sizes = [len(g) for g in plan["plan_groups"]]
+                dense = plan.get("plan_dense") or []
+                text = f"{HOOK_LABELS[name]}: {len(sizes)} groups of {sizes}"
+                if any(dense):
+                    text += " (dense: " + ", ".join(
+                        str(i + 1) for i, d in enumerate(dense) if d) + ")"
+                if name == "default":
+                    text += default_note(r["variants"][name], r.get("settings") or {})
+                plan_lines.append(text)
+        if plan_lines:
+            out.append("Plans (units per group, consecutive units in gradient-ready order): "
+                       + "; ".join(plan_lines) + ".\n")
     out.append("### Targets\n")
     out.append("`ceiling` is the best sparse peer's time over the compute-only time: the "
                "speed-up OMGS would reach over that peer if merging hid all of the peer's "
@@ -975,7 +1218,94 @@ def render_tables(results, plot_name):
         ]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     out.append("")
+    out.extend(render_default_targets(results))
     return "\n".join(out) + "\n"
+
+
+def default_note(variant, settings):
+    """How the default variant's plan came about: options, warm-up, plan changes."""
+    hook = variant.get("hook") or {}
+    options = hook.get("options") or {}
+    parts = []
+    if options.get("select") is not None:
+        parts.append(f"select={options['select']}")
+    if options.get("allow_dense") is not None:
+        parts.append(f"allow_dense={options['allow_dense']}")
+    if variant.get("warmup_steps") is not None:
+        parts.append(f"{variant['warmup_steps']} untimed warm-up steps")
+    history = hook.get("plan_history")
+    if isinstance(history, list):
+        parts.append(f"{len(history)} plan(s) in its history")
+    if hook.get("plan_changed_while_timed"):
+        parts.append("**plan changed while timed**")
+    return " [" + ", ".join(parts) + "]" if parts else ""
+
+
+def render_default_targets(results):
+    """The default's targets per configuration and the prediction error per strategy."""
+    out = ["### The library default against its peers and candidates\n",
+           "`default` is `omgs_hook.register(ddp, density=..., profile=...)` with every other "
+           "option at the library's default. Ratios are medians over the interleaved rounds: "
+           "`vs best of TopK/LAGS` is that peer's time over the default's (target >= "
+           f"{TARGET_DEFAULT_VS_BEST_PEER:.2f}x), `worst candidate` the default's time over "
+           "that of each fixed plan it could have chosen, shown for the worst one "
+           f"(target: at most +{100 * TARGET_DEFAULT_VS_CANDIDATE:.0f}%), `vs PowerSGD` "
+           "PowerSGD's time over the default's (target > 1).\n"]
+    out.append("| configuration | library | default ms | vs best of TopK/LAGS (>= 0.98x) | "
+               "default vs each candidate | worst candidate (<= +2%) | vs PowerSGD (> 1x) | "
+               "vs allreduce |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    any_default = False
+    for r in results:
+        a = r["analysis"]
+        default = (r["variants"].get("default") or {}).get("median_s")
+        if default is None:
+            continue
+        any_default = True
+        name = f"{r['model']} N={r['nodes']} d={r['density']:g}{_dense_note(r)}"
+        library = r.get("library") or {}
+        commit = (library.get("commit") or "?")[:7] + ("+" if library.get("dirty") else "")
+        peer = a.get("default_vs_best_peer")
+        slow = a.get("default_slowdown") or {}
+        each = ", ".join(f"{n} {_pct(slow[n])}" for n in CANDIDATES if n in slow) or "-"
+        worst = a.get("default_worst_slowdown")
+        vs_psgd = a.get("default_vs_powersgd")
+        cells = [
+            commit, _ms(default),
+            "-" if peer is None else
+            f"{peer:.2f}x (best: {a['default_best_peer']}) "
+            f"{_verdict(peer >= TARGET_DEFAULT_VS_BEST_PEER)}",
+            each,
+            "-" if worst is None else f"{a['default_worst_candidate']} {_pct(worst)} "
+            f"{_verdict(worst <= TARGET_DEFAULT_VS_CANDIDATE)}",
+            "-" if vs_psgd is None else f"{vs_psgd:.2f}x {_verdict(vs_psgd > 1.0)}",
+            _x(a.get("default_vs_allreduce")),
+        ]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not any_default:
+        out = []
+    out.append("")
+    out.append("### Prediction error per strategy\n")
+    out.append("(predicted - measured) / measured of the median step, the prediction made in "
+               "the untimed warm-up for the plan in use (target: within "
+               f"{100 * TARGET_STRATEGY_PREDICTION_ERROR:.0f}%). `optimal+dense` is "
+               "`strategy=\"optimal\", allow_dense=True`; the others are sparse-only unless "
+               "the heading says dense groups are allowed.\n")
+    strategies = list(PREDICTION_STRATEGIES) + ["default"]
+    out.append("| configuration | " + " | ".join(strategies) + " |")
+    out.append("|---|" + "---|" * len(strategies))
+    for r in results:
+        a = r["analysis"]
+        errors = dict(a.get("strategy_prediction_error") or {})
+        if a.get("default_prediction_error") is not None:
+            errors["default"] = a["default_prediction_error"]
+        name = f"{r['model']} N={r['nodes']} d={r['density']:g}{_dense_note(r)}"
+        cells = ["-" if errors.get(k) is None else
+                 f"{_pct(errors[k])} {_verdict(abs(errors[k]) <= TARGET_STRATEGY_PREDICTION_ERROR)}"
+                 for k in strategies]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out.append("")
+    return out
 
 
 def write_doc(path, generated):
@@ -998,7 +1328,8 @@ def plot_results(results, path):
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     colors = {"compute": "0.75", "allreduce": "tab:gray", "powersgd": "tab:purple",
-              "topk": "tab:orange", "lags": "tab:green", "omgs": "tab:blue"}
+              "topk": "tab:orange", "lags": "tab:green", "greedy": "tab:olive",
+              "omgs": "tab:blue", "omgs_dense": "tab:cyan", "default": "tab:red"}
     for ax, (model, density, dense) in zip(axes[0], panels):
         rows = [r for r in results if r["model"] == model and r["density"] == density
                 and bool(r["settings"].get("allow_dense")) == dense]

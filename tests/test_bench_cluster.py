@@ -94,14 +94,80 @@ def test_render_reports_met_and_missed_targets():
     for r in (good, bad):
         r["analysis"] = bench.analyse(r)
     text = bench.render_tables([good, bad], "benchmarks.png")
-    rows = [line for line in text.splitlines() if line.startswith("| resnet20 N=")]
+    targets = text.split("### Targets")[1].split("###")[0]  # the OMGS targets table
+    rows = [line for line in targets.splitlines() if line.startswith("| resnet20 N=")]
     assert len(rows) == 2
     good_row = next(r for r in rows if "N=4" in r)
     bad_row = next(r for r in rows if "N=2" in r)
     assert "1.40x (best: lags) met | 2.33x | 2.40x met" in good_row
     assert "+10% met" in good_row and good_row.endswith("| -10% met |")
     assert "1.08x (best: lags) **missed**" in bad_row and "+38% **missed**" in bad_row
-    assert "OMGS plan: 2 groups of [3, 2]" in text
+    assert "OMGS-SGD (optimal merge): 2 groups of [3, 2]" in text
+
+
+def _with_default(default=0.5, **medians):
+    """A result with every variant, the library default among them."""
+    r = _result()
+    times = {"greedy": 0.6, "omgs_dense": 0.52, "powersgd": 0.55, **medians}
+    for name, median in times.items():
+        r["variants"][name] = _variant(median)
+    predictions = {"topk": 0.872, "lags": 0.637, "omgs": 0.52, "omgs_dense": 0.52 * 1.2}
+    for name, predicted in predictions.items():
+        r["variants"][name] = _variant(r["variants"][name]["median_s"], predicted=predicted)
+    r["variants"]["default"] = _variant(default, predicted=default * 0.95)
+    r["variants"]["default"]["hook"].update(
+        {"options": {"select": "measured", "allow_dense": True}, "plan_history": [{}, {}],
+         "plan_changed_while_timed": False})
+    r["variants"]["default"]["warmup_steps"] = 30
+    r["library"] = {"commit": "0123456789abcdef", "dirty": False}
+    return r
+
+
+def test_analyse_default_against_peers_candidates_and_powersgd():
+    a = bench.analyse(_with_default())
+    # better of TopK (0.8) and LAGS (0.7) is LAGS: 0.7 / 0.5
+    assert a["default_best_peer"] == "lags"
+    assert a["default_vs_best_peer"] == pytest.approx(1.4)
+    assert set(a["default_slowdown"]) == set(bench.CANDIDATES)
+    assert a["default_slowdown"]["omgs"] == pytest.approx(0.0)
+    assert a["default_slowdown"]["omgs_dense"] == pytest.approx(0.5 / 0.52 - 1)
+    assert a["default_worst_candidate"] == "omgs" and a["fastest_candidate"] == "omgs"
+    assert a["default_vs_powersgd"] == pytest.approx(1.1)
+    assert a["default_vs_allreduce"] == pytest.approx(2.4)
+    errors = a["strategy_prediction_error"]
+    assert set(errors) == {"single", "layerwise", "optimal", "optimal+dense"}
+    assert errors["single"] == pytest.approx(0.09) and errors["layerwise"] == pytest.approx(-0.09)
+    assert errors["optimal+dense"] == pytest.approx(0.2)
+    assert a["default_prediction_error"] == pytest.approx(-0.05)
+    # a slow default misses every target; results without a default have none of these
+    slow = bench.analyse(_with_default(default=0.75))
+    assert slow["default_vs_best_peer"] == pytest.approx(0.7 / 0.75)
+    assert slow["default_worst_slowdown"] == pytest.approx(0.75 / 0.5 - 1)
+    assert slow["default_vs_powersgd"] < 1
+    assert "default_vs_best_peer" not in bench.analyse(_result())
+
+
+def test_render_reports_the_defaults_targets_and_errors_per_strategy():
+    good, slow = _with_default(), _with_default(default=0.75)
+    slow["nodes"] = 8
+    for r in (good, slow):
+        r["analysis"] = bench.analyse(r)
+    text = bench.render_tables([good, slow], "benchmarks.png")
+    assert "| omgs_hook default | 500 |" in text and "| greedy merge | 600 |" in text
+    assert "| OMGS-SGD + dense groups | 520 |" in text
+    rows = {line.split(" | ")[0]: line for line in text.splitlines()
+            if line.startswith("| resnet20 N=") and "0123456" in line}
+    assert set(rows) == {"| resnet20 N=4 d=0.001", "| resnet20 N=8 d=0.001"}
+    good_row, slow_row = rows["| resnet20 N=4 d=0.001"], rows["| resnet20 N=8 d=0.001"]
+    assert "1.40x (best: lags) met" in good_row and "omgs +0% met" in good_row
+    assert "1.10x met" in good_row
+    assert "0.93x (best: lags) **missed**" in slow_row and "omgs +50% **missed**" in slow_row
+    assert "0.73x **missed**" in slow_row  # behind PowerSGD
+    errors = [line for line in text.splitlines() if line.startswith("| resnet20 N=4 d=0.001 | +")]
+    assert errors == ["| resnet20 N=4 d=0.001 | +9% met | -9% met | +4% met | +20% **missed** "
+                      "| -5% met |"]
+    assert "omgs_hook default: 2 groups of [3, 2] [select=measured, allow_dense=True, 30 " \
+           "untimed warm-up steps, 2 plan(s) in its history]" in text
 
 
 def test_write_doc_keeps_text_outside_the_markers(tmp_path):
@@ -196,15 +262,15 @@ def test_read_log_and_paired_summary(tmp_path):
 
 @pytest.mark.netns
 @pytest.mark.multiprocess
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.skipif(UNAVAILABLE is not None, reason=f"emulated cluster: {UNAVAILABLE}")
 def test_bench_cluster_quick_run(tmp_path):
     results, doc, png = tmp_path / "results", tmp_path / "bench.md", tmp_path / "bench.png"
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_cluster.py"), "--quick",
          "--results-dir", str(results), "--doc", str(doc), "--plot", str(png),
-         "--timeout", "100"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=110)
+         "--timeout", "150"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=160)
     assert proc.returncode == 0, proc.stdout[-3000:]
     files = list(results.glob("bench_resnet20_n2_d0.001.json"))
     assert len(files) == 1
@@ -218,8 +284,18 @@ def test_bench_cluster_quick_run(tmp_path):
     assert omgs["hook_median_s"] > omgs["topk_median_s"]
     assert omgs["hook"]["replayed_prediction_s"] > 0
     assert result["profile"]["comm"]["beta_s_per_byte"] > 0
+    default = result["variants"]["default"]
+    assert default["hook"]["num_groups"] >= 1 and default["hook"]["predicted_iteration_s"] > 0
+    assert default["warmup_steps"] >= result["variants"]["omgs"]["warmup_steps"]
+    assert result["variants"]["omgs_dense"]["hook"]["options"]["allow_dense"] is True
+    assert result["variants"]["omgs"]["hook"]["options"]["allow_dense"] is False
+    assert result["library"]["commit"] and "density" in result["library"]["defaults"]
+    analysis = result["analysis"]
+    assert analysis["default_vs_best_peer"] > 0 and "default_vs_powersgd" in analysis
+    assert set(analysis["default_slowdown"]) == set(bench.CANDIDATES)
     text = doc.read_text()
     assert "| OMGS-SGD (optimal merge) |" in text and "| resnet20 N=2 d=0.001 |" in text
+    assert "| omgs_hook default |" in text and "### Prediction error per strategy" in text
     assert png.stat().st_size > 1000
 
 
