@@ -1,0 +1,293 @@
+"""Tests for omgs_hook.background_planner: the result is handed out exactly at the agreed
+step, a slow worker makes poll wait instead of skipping, ranks switch together, errors
+propagate, replacing and cancelling, and no thread outlives close().
+
+Slowness is simulated with events the test controls, never with timing assertions.
+"""
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from omgs_hook.background_planner import BackgroundPlanner
+from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit
+from omgs_hook.planner import make_plan
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+WAIT = 30.0  # generous: only a hung test waits this long
+
+
+def _our_threads(name):
+    return [t for t in threading.enumerate() if t.name.startswith(name + "-")]
+
+
+@pytest.fixture
+def planner(request):
+    name = f"bp-test-{request.node.name}"
+    p = BackgroundPlanner(name=name)
+    yield p
+    assert p.close(timeout=WAIT)
+    assert not _our_threads(name)
+
+
+def test_result_is_handed_out_exactly_at_the_agreed_step(planner):
+    planner.submit(lambda x: x * 2, 21, apply_at_step=5)
+    assert planner.pending and planner.apply_at_step == 5
+    seen = {}
+    for step in range(10):
+        result = planner.poll(step)
+        if result is not None:
+            seen[step] = result
+    assert seen == {5: 42}  # once, at step 5, even though it finished long before
+    assert not planner.pending and planner.apply_at_step is None
+    assert planner.poll(6) is None
+
+
+def test_poll_after_the_step_still_returns_the_result(planner):
+    planner.submit(str.upper, "plan", apply_at_step=3)
+    assert planner.poll(7) == "PLAN"
+    assert planner.poll(8) is None
+
+
+def test_a_slow_function_makes_poll_wait_at_the_agreed_step():
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow():
+        started.set()
+        assert release.wait(WAIT)
+        return "new plan"
+
+    planner = BackgroundPlanner(name="bp-slow")
+    planner.submit(slow, apply_at_step=2)
+    assert started.wait(WAIT)
+    assert planner.poll(0) is None and planner.poll(1) is None  # not due: no waiting
+    assert planner.pending and not planner.ready
+
+    outcome = {}
+
+    def training_step_2():
+        outcome["result"] = planner.poll(2)
+
+    trainer = threading.Thread(target=training_step_2)
+    trainer.start()
+    trainer.join(0.2)
+    # the step is held at 2 (not skipped to a later one) while the worker runs
+    assert trainer.is_alive() and "result" not in outcome
+    release.set()
+    trainer.join(WAIT)
+    assert not trainer.is_alive()
+    assert outcome["result"] == "new plan"
+    assert planner.last_wait_s > 0.0
+    assert planner.close(timeout=WAIT)
+
+
+def test_no_wait_is_recorded_when_the_worker_finished_in_time(planner):
+    planner.submit(lambda: 1, apply_at_step=0)
+    # wait for the worker outside poll
+    for thread in _our_threads(planner._name):
+        thread.join(WAIT)
+    assert planner.ready
+    assert planner.poll(0) == 1
+    assert planner.last_wait_s == 0.0
+
+
+def test_two_ranks_finishing_at_different_times_switch_at_the_same_step():
+    """A fake two-rank run: each rank polls every step and records the step at which it
+    switches. Rank 0's planning finishes at once, rank 1's only after rank 1 has reached
+    the agreed step (and rank 0 is far past it). Both switch at the agreed step."""
+    agreed = 4
+    slow_may_finish = threading.Event()
+    reached = {0: threading.Event(), 1: threading.Event()}
+
+    def plan_fast():
+        return ("plan", 7)
+
+    def plan_slow():
+        assert slow_may_finish.wait(WAIT)
+        return ("plan", 7)
+
+    switched = {}
+    plans = {}
+
+    def rank(index, fn):
+        planner = BackgroundPlanner(name=f"bp-rank{index}")
+        current = ("plan", 1)
+        planner.submit(fn, apply_at_step=agreed)
+        for step in range(10):
+            if step == agreed:
+                reached[index].set()
+            result = planner.poll(step)
+            if result is not None:
+                switched[index] = step
+                current = result
+            plans.setdefault(index, []).append(current)
+        assert planner.close(timeout=WAIT)
+
+    ranks = [
+        threading.Thread(target=rank, args=(0, plan_fast)),
+        threading.Thread(target=rank, args=(1, plan_slow)),
+    ]
+    for r in ranks:
+        r.start()
+    assert reached[1].wait(WAIT)  # rank 1 is at the agreed step, its plan not yet done
+    ranks[0].join(WAIT)  # rank 0 runs all its steps meanwhile
+    assert not ranks[0].is_alive()
+    slow_may_finish.set()
+    ranks[1].join(WAIT)
+    assert not ranks[1].is_alive()
+    assert switched == {0: agreed, 1: agreed}
+    assert plans[0] == plans[1]  # the same plan in use at every step on both ranks
+    assert plans[0][agreed - 1] == ("plan", 1) and plans[0][agreed] == ("plan", 7)
+
+
+def test_exceptions_from_the_worker_are_raised_by_poll_at_the_agreed_step(planner):
+    def broken():
+        raise ValueError("no plan for you")
+
+    planner.submit(broken, apply_at_step=3)
+    assert planner.poll(2) is None  # not before the step
+    with pytest.raises(ValueError, match="no plan for you"):
+        planner.poll(3)
+    assert not planner.pending  # handed out once
+    assert planner.poll(4) is None
+
+
+def test_a_new_submit_replaces_the_pending_job(planner):
+    release = threading.Event()
+
+    def old():
+        assert release.wait(WAIT)
+        raise RuntimeError("old job: must never be seen")
+
+    planner.submit(old, apply_at_step=2)
+    planner.submit(lambda: "new", apply_at_step=5)
+    assert planner.apply_at_step == 5
+    assert planner.poll(2) is None  # the old job's step means nothing now
+    release.set()
+    assert planner.poll(5) == "new"
+    assert planner.poll(6) is None
+
+
+def test_cancel_drops_the_pending_job(planner):
+    planner.submit(lambda: "x", apply_at_step=1)
+    assert planner.cancel() is True
+    assert not planner.pending
+    assert planner.poll(1) is None
+    assert planner.cancel() is False
+
+
+def test_arguments_and_keyword_arguments_are_passed(planner):
+    planner.submit(lambda a, b, scale=1: (a + b) * scale, 1, 2, scale=10, apply_at_step=0)
+    assert planner.poll(0) == 30
+
+
+def test_invalid_use_is_rejected(planner):
+    with pytest.raises(TypeError):
+        planner.submit("not callable", apply_at_step=1)
+    with pytest.raises(TypeError):
+        planner.submit(lambda: 1, apply_at_step=1.5)
+    with pytest.raises(TypeError):
+        planner.submit(lambda: 1, apply_at_step=True)
+    with pytest.raises(TypeError):
+        planner.submit(lambda: 1)  # apply_at_step is required
+    with pytest.raises(TypeError):
+        planner.poll("3")
+    assert not planner.pending
+
+
+def test_no_thread_is_left_running_after_close():
+    name = "bp-close"
+    release = threading.Event()
+    planner = BackgroundPlanner(name=name)
+    planner.submit(release.wait, WAIT, apply_at_step=1)
+    planner.submit(release.wait, WAIT, apply_at_step=2)  # replaced, still running
+    assert len(_our_threads(name)) == 2
+    # a worker that does not finish: close with a timeout says so
+    assert planner.close(timeout=0.05) is False
+    assert _our_threads(name)
+    release.set()
+    assert planner.close(timeout=WAIT) is True
+    assert not _our_threads(name)
+    assert planner.closed and not planner.pending
+    with pytest.raises(RuntimeError, match="after close"):
+        planner.submit(lambda: 1, apply_at_step=3)
+
+
+def test_context_manager_closes():
+    name = "bp-context"
+    with BackgroundPlanner(name=name) as planner:
+        planner.submit(lambda: 5, apply_at_step=0)
+        assert planner.poll(0) == 5
+        planner.submit(lambda: 6, apply_at_step=9)
+    assert planner.closed
+    assert not _our_threads(name)
+
+
+def test_concurrent_submit_and_poll_never_hand_out_a_result_twice():
+    """Thread safety: one thread submits jobs, another polls; every result is handed
+    out at most once and only at or after its own step."""
+    planner = BackgroundPlanner(name="bp-concurrent")
+    handed = []
+    stop = threading.Event()
+    lock = threading.Lock()
+    submitted = {}
+
+    def submitter():
+        for i in range(200):
+            planner.submit(lambda i=i: i, apply_at_step=i)
+            with lock:
+                submitted[i] = i
+
+    def poller():
+        step = 0
+        while not stop.is_set() or planner.pending:
+            result = planner.poll(step)
+            if result is not None:
+                handed.append((step, result))
+            step = min(step + 1, 200)
+
+    threads = [threading.Thread(target=submitter), threading.Thread(target=poller)]
+    for t in threads:
+        t.start()
+    threads[0].join(WAIT)
+    stop.set()
+    threads[1].join(WAIT)
+    assert not any(t.is_alive() for t in threads)
+    results = [r for _, r in handed]
+    assert len(results) == len(set(results))
+    assert all(step >= result for step, result in handed)
+    assert planner.close(timeout=WAIT)
+
+
+def test_plans_a_real_instance_in_the_background(planner):
+    rng = np.random.default_rng(0)
+    inst = Instance(
+        layers=tuple(Unit(int(rng.integers(1, 10**6)), float(rng.uniform(0, 1e-3)))
+                     for _ in range(50)),
+        world_size=4,
+        density=0.01,
+        forward_s=0.01,
+        comm=LinearCost(1e-3, 1e-9),
+        topk=TopkCost(1e-5, 1e-10, 0.0),
+    )
+    planner.submit(make_plan, inst, "optimal", apply_at_step=1)
+    assert planner.poll(0) is None
+    assert planner.poll(1) == make_plan(inst, "optimal")
+
+
+def test_the_module_does_not_import_torch():
+    code = (
+        "import sys, omgs_hook.background_planner; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    )
+    env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
