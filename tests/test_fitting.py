@@ -179,7 +179,7 @@ def test_topk_fit_under_noise_predicts_well_and_stays_non_negative():
     c0, c1, c2 = 2e-5, 1e-9, 5e-11
     sizes = np.repeat(TOPK_SIZES, 8)
     truth = _topk_time(sizes, c0, c1, c2)
-    fit = fit_topk(sizes, _noisy(truth, rng, 0.05))
+    fit = fit_topk(sizes, _noisy(truth, rng, 0.05), log_term=True)
     assert min(fit.c0, fit.c1, fit.c2) >= 0
     assert fit.c0 == pytest.approx(c0, rel=0.2)
     # c1 and c2 trade off against each other under noise; the prediction must not
@@ -196,6 +196,71 @@ def test_topk_fit_never_goes_negative_on_a_concave_curve():
     design = np.column_stack([np.ones_like(d), d, d * np.log2(d)])
     unconstrained = np.linalg.lstsq(design / seconds[:, None], np.ones_like(seconds), rcond=None)[0]
     assert np.any(unconstrained < 0), "the curve should push an unconstrained fit negative"
+
+
+def test_topk_fit_prefers_the_linear_form_on_noisy_linear_data():
+    rng = np.random.default_rng(6)
+    d = np.geomspace(1e3, 4e6, 13)
+    for _ in range(10):
+        fit = fit_topk(d, _noisy(_topk_time(d, 1e-4, 3e-9, 0.0), rng, 0.08))
+        assert fit.form == "linear" and fit.c2 == 0.0
+        assert fit.c1 == pytest.approx(3e-9, rel=0.2)
+
+
+def test_topk_fit_keeps_the_log_term_when_the_data_clearly_need_it():
+    fit = fit_topk(TOPK_SIZES, _topk_time(TOPK_SIZES, 5e-5, 0.0, 2e-10))
+    assert fit.form == "n log n"
+    assert fit.c2 == pytest.approx(2e-10, rel=1e-6) and fit.c1 == pytest.approx(0, abs=1e-15)
+    # the same data forced into the linear form: c2 = 0 and a visibly worse fit
+    linear = fit_topk(TOPK_SIZES, _topk_time(TOPK_SIZES, 5e-5, 0.0, 2e-10), log_term=False)
+    assert linear.form == "linear" and linear.c2 == 0.0 and linear.max_abs_rel_error > 0.1
+
+
+def test_topk_fit_log_term_option_is_checked():
+    with pytest.raises(ValueError, match="log_term"):
+        fit_topk(TOPK_SIZES, _topk_time(TOPK_SIZES, 1e-4, 1e-9, 0.0), log_term="maybe")
+
+
+def test_robust_fits_are_pulled_far_less_by_one_disturbed_point():
+    truth = 3e-4 + 2e-9 * SIZES
+    for index, factor in ((3, 4.0), (0, 3.0), (7, 3.0)):
+        disturbed = truth.copy()
+        disturbed[index] *= factor  # one point measured while another job ran
+        plain = fit_linear_relative(SIZES, disturbed)
+        robust = fit_linear_relative(SIZES, disturbed, robust=True)
+        others = np.arange(len(SIZES)) != index
+
+        def worst(fit, others=others):
+            line = fit.alpha_s + fit.beta_s_per_byte * SIZES
+            return float(np.max(np.abs(line / truth - 1)[others]))
+
+        assert worst(robust) < 0.01 and worst(plain) > 0.04, (index, factor)
+    # on clean data both are the same exact fit
+    clean = fit_linear_relative(SIZES, truth, robust=True)
+    assert clean.alpha_s == pytest.approx(3e-4, rel=1e-9)
+    d = np.geomspace(1e3, 4e6, 13)
+    topk_truth = _topk_time(d, 1e-4, 3e-9, 0.0)
+    bumped = topk_truth.copy()
+    bumped[5] *= 3
+    assert fit_topk(d, bumped, robust=True).c1 == pytest.approx(3e-9, rel=0.05)
+
+
+@pytest.mark.parametrize("shape", [(1e-4, 3e-9, 0.0), (7e-5, 0.0, 2e-10), (2e-5, 1e-9, 1e-10)])
+def test_topk_fits_of_three_noisy_runs_agree_within_20_percent(shape):
+    # per-point medians with 10 % noise and, in every run, one point disturbed 2-3x: the
+    # fitted curves of three runs stay within 20 % of their median at every size
+    rng = np.random.default_rng(7)
+    d = np.geomspace(1e3, 4e6, 13)
+    truth = _topk_time(d, *shape)
+    for _trial in range(20):
+        curves = []
+        for _run in range(3):
+            t = truth * np.exp(0.1 * rng.standard_normal(d.size))
+            t[rng.integers(d.size)] *= rng.uniform(2, 3)
+            fit = fit_topk(d, t, robust=True)
+            curves.append(_topk_time(d, fit.c0, fit.c1, fit.c2))
+        curves = np.array(curves)
+        assert np.max(np.abs(curves / np.median(curves, axis=0) - 1)) <= 0.2
 
 
 @pytest.mark.parametrize("numel, seconds, problem", [

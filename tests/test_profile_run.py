@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,7 +45,8 @@ def _torchrun(nproc, *args):
             f"--nproc_per_node={nproc}", *args]
 
 
-def _check_document(document, world_size, reps):
+def _check_document(document, world_size, reps=None):
+    """Everything a written profile must satisfy; ``reps`` = the fixed reps, or None (adaptive)."""
     cpu = torch.device("cpu")
     assert document["schema_version"] == SCHEMA_VERSION
     assert document["world_size"] == world_size
@@ -54,13 +56,19 @@ def _check_document(document, world_size, reps):
     assert document["created"].endswith("+00:00")
     # the default top-k backend is the one the hook picks on this device
     assert document["topk"]["backend"] == get_selector("auto", cpu).name
-    assert sorted(document["topk_all"]) == sorted(available_backends(cpu))
+    sweep = document["sweep"]
     sizes = document["settings"]["sizes_bytes"]
     for name, key in (("all_gather", "comm"), ("all_reduce", "dense")):
         rows = document["samples"][name]
-        assert [r["bytes"] for r in rows] == sizes
-        assert all(len(r["seconds"]) == reps and min(r["seconds"]) > 0 for r in rows)
-        assert [p["bytes"] for p in document["fit_errors"][key]] == sizes
+        record = sweep["sections"][name]
+        # the measured sizes are a prefix of the planned ones, as recorded
+        assert record["planned"] == sizes
+        assert [r["bytes"] for r in rows] == record["measured"] == sizes[:len(rows)]
+        assert [len(r["seconds"]) for r in rows] == record["reps"]
+        if reps is not None:
+            assert record["reps"] == [reps] * len(rows)
+        assert all(min(r["seconds"]) > 0 for r in rows)
+        assert [p["bytes"] for p in document["fit_errors"][key]] == record["measured"]
         assert set(document[key]) == {"alpha_s", "beta_s_per_byte"}
         # a collective costs something: the fitted line is positive at every size
         line = document[key]
@@ -71,16 +79,27 @@ def _check_document(document, world_size, reps):
             predicted = line["alpha_s"] + line["beta_s_per_byte"] * row["bytes"]
             assert point["rel_error"] == pytest.approx(predicted / point["median_s"] - 1)
     for backend, rows in document["samples"]["topk"].items():
-        assert [r["numel"] for r in rows] == document["settings"]["topk_numel"]
-        assert all(len(r["seconds"]) == reps for r in rows)
+        record = sweep["sections"][f"topk:{backend}"]
+        assert [r["numel"] for r in rows] == record["measured"]
+        assert record["planned"] == document["settings"]["topk_numel"]
+        assert [len(r["seconds"]) for r in rows] == record["reps"]
+        if reps is not None:
+            assert record["reps"] == [reps] * len(rows)
         assert len(document["fit_errors"]["topk"][backend]) == len(rows)
         c = document["topk_all"][backend]
-        assert min(c.values()) >= 0
+        assert min(c[name] for name in ("c0", "c1", "c2")) >= 0
+        assert c["form"] in ("linear", "n log n")
         for row, point in zip(rows, document["fit_errors"]["topk"][backend]):
             d = row["numel"]
             assert row["k"] == max(1, math.ceil(document["settings"]["topk_density"] * d))
             predicted = c["c0"] + c["c1"] * d + c["c2"] * d * math.log2(d)
             assert point["rel_error"] == pytest.approx(predicted / point["median_s"] - 1)
+    # every truncated part says where and why it stopped
+    for name, record in sweep["sections"].items():
+        assert (name in sweep["truncated"]) == (not record["complete"])
+        if not record["complete"]:
+            assert record["stopped_before"] == record["planned"][len(record["measured"])]
+            assert record["reason"] in ("budget", "probe") and record["message"]
 
 
 @pytest.mark.multiprocess
@@ -90,6 +109,9 @@ def test_two_rank_quick_profile_via_torchrun(tmp_path):
     document = json.loads(out.read_text())
     _check_document(document, world_size=2, reps=profile_run.QUICK_REPS)
     assert document["settings"]["sizes_bytes"] == list(profile_run.QUICK_SIZES)
+    # --quick keeps its fixed sweep: no budget, every size measured
+    assert document["sweep"]["time_budget_s"] is None and document["sweep"]["truncated"] == []
+    assert sorted(document["topk_all"]) == sorted(available_backends(torch.device("cpu")))
 
     profile = load_profile(out)
     assert profile.world_size == 2 and profile.path == str(out)
@@ -187,8 +209,394 @@ def test_nccl_without_cuda_is_a_clear_error():
 
 
 def test_default_sweep_matches_the_documented_ranges():
-    assert profile_run.DEFAULT_SIZES[0] == 1024 and profile_run.DEFAULT_SIZES[-1] == 8 * 2**20
-    assert all(size % 8 == 0 for size in profile_run.DEFAULT_SIZES)
-    topk_sizes = profile_run.DEFAULT_TOPK_SIZES
-    assert topk_sizes[0] == 1000 and topk_sizes[-1] == 4_000_000
-    assert len(profile_run.DEFAULT_SIZES) == len(profile_run.DEFAULT_TOPK_SIZES) == 8
+    args = profile_run.build_parser().parse_args([])
+    settings = profile_run.resolve_settings(args)
+    assert settings.adaptive and settings.time_budget_s == profile_run.DEFAULT_TIME_BUDGET_S
+    assert settings.sizes[0] == 1024 and settings.sizes[-1] == 8 * 2**20
+    assert all(size % 8 == 0 for size in settings.sizes)
+    assert all(b / a == pytest.approx(2) for a, b in zip(settings.sizes, settings.sizes[1:]))
+    assert settings.topk_sizes[0] == 1000 and settings.topk_sizes[-1] == 4_000_000
+    ratios = [b / a for a, b in zip(settings.topk_sizes, settings.topk_sizes[1:])]
+    assert all(1.9 < r <= 2.0 for r in ratios)
+    assert (settings.reps, settings.warmup, settings.min_reps) == (20, 5, profile_run.MIN_REPS)
+
+
+# ---------------------------------------------------------------------------------------
+# settings: adaptive by default, explicit sweeps unchanged
+# ---------------------------------------------------------------------------------------
+
+
+def _settings(*argv):
+    return profile_run.resolve_settings(profile_run.build_parser().parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("argv, budget, adaptive", [
+    ([], profile_run.DEFAULT_TIME_BUDGET_S, True),
+    (["--time-budget", "12.5"], 12.5, True),
+    (["--time-budget", "0"], None, True),                  # 0 = no budget
+    (["--sizes", "1K,64K"], None, False),                  # explicit lists: all measured
+    (["--topk-sizes", "1e3,1e4,1e5"], None, False),
+    (["--sizes", "1K,64K", "--time-budget", "3"], 3.0, False),
+    (["--quick"], None, False),
+])
+def test_time_budget_applies_to_the_adaptive_sweep_or_when_asked(argv, budget, adaptive):
+    settings = _settings(*argv)
+    assert settings.time_budget_s == budget
+    assert settings.adaptive is adaptive
+
+
+def test_quick_and_explicit_sweeps_keep_their_sizes_and_reps():
+    quick = _settings("--quick")
+    assert quick.sizes == profile_run.QUICK_SIZES and quick.topk_sizes == profile_run.QUICK_TOPK_SIZES
+    assert (quick.reps, quick.warmup) == (profile_run.QUICK_REPS, profile_run.QUICK_WARMUP)
+    explicit = _settings("--sizes", "1K,20000", "--reps", "3")
+    assert explicit.sizes == (1024, 20000) and explicit.reps == 3 and explicit.min_reps == 3
+
+
+def test_max_sizes_bound_the_adaptive_grid():
+    settings = _settings("--max-size", "64K", "--max-topk-size", "1e5")
+    assert settings.sizes == (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    assert settings.topk_sizes[0] == 1000 and settings.topk_sizes[-1] == 100_000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--time-budget", "-1"], ">= 0"),
+    (["--time-budget", "soon"], "bad time budget"),
+])
+def test_bad_time_budgets_are_rejected(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        profile_run.build_parser().parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_geometric_sizes():
+    assert profile_run.geometric_sizes(1024, 8192, multiple=8) == [1024, 2048, 4096, 8192]
+    sizes = profile_run.geometric_sizes(1000, 4_000_000)
+    assert sizes[0] == 1000 and sizes[-1] == 4_000_000 and len(sizes) == 13
+    assert profile_run.geometric_sizes(10, 10) == [10]
+    assert all(s % 8 == 0 for s in profile_run.geometric_sizes(100, 10_000, multiple=8))
+    with pytest.raises(ValueError):
+        profile_run.geometric_sizes(10, 5)
+
+
+# ---------------------------------------------------------------------------------------
+# the adaptive decisions (pure functions)
+# ---------------------------------------------------------------------------------------
+
+SETTINGS = profile_run.SweepSettings(sizes=(), topk_sizes=(), reps=20, warmup=5,
+                                     time_budget_s=10.0, adaptive=True)
+
+
+def _plan(index=6, size=2048, previous=(1024, 0.1), spent=0.0, budget=10.0, settings=SETTINGS):
+    return profile_run.plan_point(index=index, size=size, previous=previous, spent_s=spent,
+                                  budget_s=budget, settings=settings)
+
+
+def test_plan_point_without_budget_measures_everything_in_full():
+    plan = _plan(previous=(1024, 1e3), spent=1e6, budget=None)
+    assert plan == profile_run.PointPlan(warmup=5)
+
+
+def test_plan_point_stops_growing_when_the_cheapest_measurement_does_not_fit():
+    # 2048 B predicted at 0.2 s per call; cheapest = (2 warm-up + 5 reps) * 0.2 = 1.4 s
+    assert isinstance(_plan(spent=8.5), profile_run.PointPlan)      # 1.5 s left
+    stop = _plan(spent=8.7)                                          # 1.3 s left
+    assert isinstance(stop, profile_run.Stop)
+    assert stop.size == 2048 and stop.reason == "budget"
+    assert "1.4 s" in stop.message and "1.3 s" in stop.message and "10 s budget" in stop.message
+
+
+def test_plan_point_always_measures_the_first_points():
+    for index in range(SETTINGS.min_points):
+        assert isinstance(_plan(index=index, spent=100.0), profile_run.PointPlan)
+    assert isinstance(_plan(index=SETTINGS.min_points, spent=100.0), profile_run.Stop)
+    assert _plan(index=0, previous=None, spent=100.0) == profile_run.PointPlan(warmup=5)
+
+
+def test_plan_point_shortens_warm_up_for_expensive_points():
+    assert _plan(previous=(1024, 1e-4)).warmup == 5                   # cheap: full warm-up
+    # 0.2 s per call predicted; a point may use 10/8 s, its warm-up a quarter of that
+    assert _plan(previous=(1024, 0.025)).warmup == 5
+    assert _plan(previous=(1024, 0.05)).warmup == 3
+    expensive = _plan(previous=(1024, 0.1))
+    assert expensive.warmup == profile_run.PROBE_CALLS                # never below the probe
+    assert expensive.predicted_s == pytest.approx(0.2)
+
+
+def test_choose_reps_clamps_between_the_floor_and_the_most():
+    assert profile_run.choose_reps(0.01, 1.0, 20, 5) == 20
+    assert profile_run.choose_reps(0.1, 1.0, 20, 5) == 10
+    assert profile_run.choose_reps(1.0, 1.0, 20, 5) == 5
+    assert profile_run.choose_reps(None, 1.0, 20, 5) == 20
+
+
+def test_reps_after_probe_adapts_and_abandons_a_jump():
+    plan = profile_run.PointPlan(warmup=2, predicted_s=0.1)
+    reps = dict(plan=plan, spent_s=0.0, budget_s=10.0, settings=SETTINGS)
+    # allowance = min(10/8, left/2) = 1.25 s: 0.05 s per call -> 20 reps, 0.125 -> 10
+    assert profile_run.reps_after_probe(index=6, probe_s=0.01, **reps) == 20
+    assert profile_run.reps_after_probe(index=6, probe_s=0.125, **reps) == 10
+    # a probe 20x the prediction: 5 reps of 2 s no longer fit in the 6 s left
+    assert profile_run.reps_after_probe(index=6, probe_s=2.0, **reps) == 0
+    # ... but one of the first points is measured anyway, with the fewest reps
+    assert profile_run.reps_after_probe(index=1, probe_s=2.0, **reps) == SETTINGS.min_reps
+    assert profile_run.reps_after_probe(index=6, probe_s=2.0, plan=plan, spent_s=0.0,
+                                        budget_s=None, settings=SETTINGS) == 20
+
+
+def test_section_budgets_hand_unused_time_to_later_parts():
+    assert profile_run.section_budgets([0.4, 0.3, 0.3], 0.0, 30.0) == pytest.approx(12.0)
+    # the first part used only 2 s of its 12: the next gets 0.3/0.6 of the 28 s left
+    assert profile_run.section_budgets([0.3, 0.3], 2.0, 30.0) == pytest.approx(14.0)
+    assert profile_run.section_budgets([1.0], 40.0, 30.0) == 0.0
+    assert profile_run.section_budgets([1.0], 0.0, None) is None
+
+
+class ScriptedSource:
+    """A timing source whose every call costs ``per_call(size)`` exactly (a virtual clock)."""
+
+    def __init__(self, per_call, probe_factor=1.0):
+        self.per_call, self.probe_factor, self.clock, self.calls = per_call, probe_factor, 0.0, []
+
+    def __call__(self, size, warmup, reps_for):
+        t = self.per_call(size)
+        probe = t * self.probe_factor if warmup else None
+        reps = reps_for(probe)
+        self.calls.append((size, warmup, reps))
+        wall = warmup * (probe or 0.0) + reps * t
+        self.clock += wall
+        return profile_run.Measurement(seconds=(t,) * reps, wall_s=wall, probe_s=probe)
+
+
+def test_run_section_stops_growing_within_its_budget_and_records_why():
+    sizes = profile_run.geometric_sizes(1024, 8 * 2**20, multiple=8)
+    source = ScriptedSource(lambda b: 1e-3 + 1e-7 * b)   # 0.84 s per call at 8 MiB
+    rows, record = profile_run.run_section("all_gather", sizes, source, 5.0, SETTINGS)
+    assert not record["complete"] and record["reason"] == "budget"
+    measured = [size for size, _ in rows]
+    assert measured == sizes[:len(measured)] == record["measured"]
+    assert SETTINGS.min_points <= len(measured) < len(sizes)
+    assert record["stopped_before"] == sizes[len(measured)]
+    assert record["spent_s"] == pytest.approx(source.clock) and source.clock <= 5.0
+    assert not record["over_budget"]
+    # cheap points get every rep, expensive ones fewer (never below the floor)
+    assert record["reps"][0] == 20 and SETTINGS.min_reps <= record["reps"][-1] < 20
+    assert record["planned"] == sizes and len(record["warmup"]) == len(measured)
+    (note,) = profile_run.truncation_notes({"all_gather": record})
+    assert f"measured {len(measured)} of {len(sizes)} sizes" in note
+    assert "extrapolates beyond the largest measured size" in note
+
+
+def test_run_section_completes_when_everything_fits():
+    sizes = [1000, 2000, 4000, 8000, 16000]
+    source = ScriptedSource(lambda d: 1e-5)
+    rows, record = profile_run.run_section("topk:x", sizes, source, 5.0, SETTINGS)
+    assert record["complete"] and record["stopped_before"] is None and record["reason"] is None
+    assert [size for size, _ in rows] == sizes and record["reps"] == [20] * 5
+    assert profile_run.truncation_notes({"topk:x": record}) == []
+
+
+def test_run_section_abandons_a_point_whose_probe_jumps():
+    # linear up to 32 KiB, then 100x more expensive: the prediction misses, the probe not
+    sizes = profile_run.geometric_sizes(1024, 1024 * 2**10, multiple=8)
+    source = ScriptedSource(lambda b: 1e-4 * b / 1024 * (100 if b > 32768 else 1))
+    rows, record = profile_run.run_section("all_reduce", sizes, source, 3.0, SETTINGS)
+    assert record["reason"] == "probe" and record["stopped_before"] == 65536
+    assert record["measured"][-1] == 32768
+    # the abandoned point ran only its (cheaply predicted, so full) warm-up calls
+    assert source.calls[-1] == (65536, SETTINGS.warmup, 0)
+    assert "warm-up calls took" in record["message"]
+
+
+def test_decisions_depend_only_on_the_agreed_times():
+    # two ranks see identical agreed measurements (MAX-all-reduced) and must therefore
+    # choose identical sizes, warm-ups and reps - the property that prevents deadlocks
+    sizes = profile_run.geometric_sizes(1024, 8 * 2**20, multiple=8)
+    runs = []
+    for _rank in range(2):
+        source = ScriptedSource(lambda b: 2e-3 + 3e-7 * b, probe_factor=1.3)
+        profile_run.run_section("all_gather", sizes, source, 4.0, SETTINGS)
+        runs.append(source.calls)
+    assert runs[0] == runs[1] and len(runs[0]) < len(sizes)
+
+
+def test_run_sweep_shares_the_budget_and_rolls_over_what_a_part_leaves():
+    cheap = ScriptedSource(lambda s: 1e-5)
+    dear = ScriptedSource(lambda s: 1e-3 * s / 1000)
+    parts = [("all_gather", 0.5, (1000, 2000, 4000, 8000), cheap),
+             ("topk:torch", 0.5, tuple(profile_run.geometric_sizes(1000, 2**20)), dear)]
+    _rows, records, spent = profile_run.run_sweep(parts, 10.0, SETTINGS)
+    assert records["all_gather"]["budget_s"] == 5.0 and records["all_gather"]["complete"]
+    assert records["topk:torch"]["budget_s"] == pytest.approx(10.0 - records["all_gather"]["spent_s"])
+    assert not records["topk:torch"]["complete"]
+    assert spent == pytest.approx(cheap.clock + dear.clock) and spent <= 10.0
+
+
+# ---------------------------------------------------------------------------------------
+# fits stable between runs, on a simulated timing source
+# ---------------------------------------------------------------------------------------
+
+
+class SimulatedCluster:
+    """A noisy timing source with a virtual clock, standing in for a real process group.
+
+    Every call costs ``truth(size)`` on each of ``ranks`` ranks times log-normal noise
+    (sigma), now and then an outlier (``outlier_p`` per rank and call, 2-8x), and the
+    first call of every point is ``cold_x`` times slower (connection set-up, caches).
+    The reported time is the slowest rank's, as the real timer reports after MAX.
+    """
+
+    def __init__(self, truth, seed, ranks=4, sigma=0.15, outlier_p=0.03, cold_x=4.0):
+        self.truth, self.rng, self.ranks, self.sigma = truth, np.random.default_rng(seed), ranks, sigma
+        self.outlier_p, self.cold_x, self.clock = outlier_p, cold_x, 0.0
+
+    def _call(self, size, cold):
+        t = self.truth(size) * np.exp(self.sigma * self.rng.standard_normal(self.ranks))
+        hit = self.rng.random(self.ranks) < self.outlier_p
+        t = np.where(hit, t * self.rng.uniform(2, 8, self.ranks), t)
+        seconds = float(t.max()) * (self.cold_x if cold else 1.0)
+        self.clock += seconds + 1e-4  # the barrier before each call
+        return seconds
+
+    def __call__(self, size, warmup, reps_for):
+        start = self.clock
+        calls = [self._call(size, cold=(i == 0)) for i in range(warmup)]
+        probe = min(calls[-profile_run.PROBE_CALLS:]) if calls else None
+        reps = reps_for(probe)
+        seconds = tuple(self._call(size, cold=(warmup == 0 and i == 0)) for i in range(reps))
+        return profile_run.Measurement(seconds=seconds, wall_s=self.clock - start, probe_s=probe)
+
+
+BYTES = tuple(profile_run.geometric_sizes(1024, 8 * 2**20, multiple=8))
+NUMEL = tuple(profile_run.geometric_sizes(1000, 4_000_000))
+# (truth, sizes, budget of the part): loopback-like and 50 Mbit/s-like collectives (the
+# latter cut short by the budget), and the three top-k shapes
+SIMULATED = {
+    "all_gather loopback": (lambda b: 4e-4 + 2.3e-9 * b, BYTES, 12.0),
+    "all_gather 50 Mbit/s": (lambda b: 5e-3 + 4.8e-7 * b, BYTES, 12.0),
+    "all_reduce 50 Mbit/s": (lambda b: 5e-3 + 2.4e-7 * b, BYTES, 9.0),
+    "topk linear": (lambda d: 1e-4 + 3e-9 * d, NUMEL, 4.5),
+    "topk n log n": (lambda d: 7e-5 + 2e-10 * d * np.log2(d), NUMEL, 4.5),
+    "topk all three": (lambda d: 2e-5 + 1e-9 * d + 1e-10 * d * np.log2(d), NUMEL, 4.5),
+}
+
+
+def _simulated_profile(name, seed, naive=False):
+    """One simulated sweep and fit: (fitted curve, measured sizes, record, virtual seconds)."""
+    truth, sizes, budget = SIMULATED[name]
+    source = SimulatedCluster(truth, seed)
+    if naive:
+        # what the stability measures replace: few sizes, 3 reps, no warm-up, the mean,
+        # plain least squares and a free three-term top-k fit
+        settings = profile_run.SweepSettings(sizes=(), topk_sizes=(), reps=3, warmup=0,
+                                             time_budget_s=None, adaptive=False, min_reps=3)
+        rows, record = profile_run.run_section(name, sizes[::2], source, None, settings)
+        statistic = lambda v: float(np.mean(v))  # noqa: E731
+    else:
+        rows, record = profile_run.run_section(name, sizes, source, budget, SETTINGS)
+        statistic = statistics.median
+    x = [size for size, _ in rows]
+    t = [statistic(seconds) for _, seconds in rows]
+    samples = {"all_gather": [], "all_reduce": [], "topk": {}}
+    if name.startswith("topk"):
+        samples["topk"]["sim"] = [{"numel": d, "k": 1, "seconds": [v]} for d, v in zip(x, t)]
+        samples["all_gather"] = samples["all_reduce"] = [
+            {"bytes": b, "seconds": [1.0]} for b in (1, 2)]
+    else:
+        samples["all_gather"] = samples["all_reduce"] = [
+            {"bytes": b, "seconds": [v]} for b, v in zip(x, t)]
+        samples["topk"]["sim"] = [{"numel": d, "k": 1, "seconds": [1.0]} for d in (1, 2, 4)]
+    if naive:
+        from omgs_hook.fitting import fit_linear_relative, fit_topk
+
+        if name.startswith("topk"):
+            f = fit_topk(x, t, log_term=True)
+            curve = lambda d: f.c0 + f.c1 * d + f.c2 * d * np.log2(d)  # noqa: E731
+        else:
+            f = fit_linear_relative(x, t)
+            curve = lambda b: f.alpha_s + f.beta_s_per_byte * b  # noqa: E731
+    else:
+        fits, _errors = profile_run.fit_samples(samples)  # exactly the command's fits
+        if name.startswith("topk"):
+            c = fits["topk_all"]["sim"]
+            curve = lambda d: c.c0 + c.c1 * d + c.c2 * d * np.log2(d)  # noqa: E731
+        else:
+            line = fits["comm"]
+            curve = lambda b: line.alpha_s + line.beta_s_per_byte * b  # noqa: E731
+    return curve, x, record, source.clock
+
+
+def _worst_deviation_from_median(name, seeds, naive=False):
+    """Worst |fit / median of the runs' fits - 1| over every size any of the runs measured."""
+    curves, measured = [], set()
+    for seed in seeds:
+        curve, x, _record, _clock = _simulated_profile(name, seed, naive)
+        curves.append(curve)
+        measured.update(x)
+    points = sorted(measured)
+    predicted = np.array([[curve(p) for p in points] for curve in curves])
+    return float(np.max(np.abs(predicted / np.median(predicted, axis=0) - 1)))
+
+
+@pytest.mark.parametrize("name", sorted(SIMULATED))
+def test_simulated_fits_agree_within_20_percent_between_three_runs(name):
+    for trial in range(5):
+        seeds = [100 * trial + run for run in range(3)]
+        worst = _worst_deviation_from_median(name, seeds)
+        assert worst <= 0.20, f"{name}, seeds {seeds}: a fitted point is {worst:.0%} off the median"
+
+
+def test_the_stability_test_can_fail():
+    # the same check on what the robust sweep replaced: it fails on most shapes, so the
+    # 20 % bound above is not met by accident
+    failing = [name for name in sorted(SIMULATED)
+               if max(_worst_deviation_from_median(name, [100 * t + r for r in range(3)],
+                                                   naive=True) for t in range(5)) > 0.20]
+    assert len(failing) >= 4, failing
+
+
+@pytest.mark.parametrize("name", sorted(SIMULATED))
+def test_simulated_sweep_stays_near_its_budget(name):
+    _truth, sizes, budget = SIMULATED[name]
+    for seed in range(5):
+        _curve, x, record, clock = _simulated_profile(name, seed)
+        assert record["spent_s"] == pytest.approx(clock)
+        # the budget is kept up to the misprediction of one point's noisy reps
+        assert clock <= 1.25 * budget, (seed, clock)
+        assert len(x) >= SETTINGS.min_points
+        if name.endswith("50 Mbit/s"):
+            # an 8 MiB message takes seconds: the sweep must stop growing long before
+            assert not record["complete"] and x[-1] <= 2**20
+            assert record["reason"] in ("budget", "probe")
+
+
+# ---------------------------------------------------------------------------------------
+# the real command with a small budget
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_two_rank_profile_with_a_small_budget_stops_growing_and_says_why(tmp_path):
+    out = tmp_path / "budget.json"
+    result = _run(_torchrun(2, str(SCRIPT), "--out", str(out), "--no-plot", "--no-progress",
+                            "--time-budget", "1"), cwd=tmp_path)
+    document = json.loads(out.read_text())
+    _check_document(document, world_size=2)
+    sweep = document["sweep"]
+    assert sweep["adaptive"] and sweep["time_budget_s"] == 1.0
+    # 1 s cannot hold a 20-rep sweep to 8 MiB (about 2 s for the all-gather alone here):
+    # the all-gather stopped growing, and the file says what was measured and why
+    assert "all_gather" in sweep["truncated"]
+    record = sweep["sections"]["all_gather"]
+    assert len(record["measured"]) < len(record["planned"])
+    assert record["measured"][-1] < 8 * 2**20
+    assert sweep["notes"] and any(n.startswith("all_gather: the time budget cut") for n in sweep["notes"])
+    # rank 0 prints it, once
+    assert result.stdout.count("WARNING all_gather: the time budget cut the sweep short") == 1
+    assert "extrapolates beyond the largest measured size" in result.stdout
+    # every part received a budget and the budgets add up to at most the total
+    assert sum(r["budget_s"] for r in sweep["sections"].values()) <= 1.0 + 1e-9 + sum(
+        r["spent_s"] for r in sweep["sections"].values())
+    profile = load_profile(out)
+    assert profile.world_size == 2 and profile.comm.alpha_s == document["comm"]["alpha_s"]

@@ -74,12 +74,15 @@ class TopkFit:
     """Result of :func:`fit_topk`: ``t(D) = c0 + c1*D + c2*D*log2(D)``, all coefficients >= 0.
 
     rel_errors: one ``(predicted - measured) / measured`` per input point, in input order.
+    form: ``"linear"`` when the ``D*log2(D)`` column was left out (``c2 == 0`` by choice,
+        see :func:`fit_topk`), ``"n log n"`` when it was offered to the fit.
     """
 
     c0: float
     c1: float
     c2: float
     rel_errors: tuple
+    form: str = "n log n"
 
     @property
     def max_abs_rel_error(self):
@@ -158,21 +161,53 @@ def _as_samples(name_x, xs, name_t, ts):
     return x, t
 
 
-def _relative_fit(design, t):
-    """NNLS of ``design @ c ~ t`` weighted by 1/t; returns (coefficients, relative errors)."""
+# Huber weighting of relative residuals (``robust=True``): residuals within
+# HUBER_K robust standard deviations keep full weight, larger ones are down-weighted in
+# proportion; the scale never drops below HUBER_MIN_SCALE so that near-perfect data do
+# not make every small deviation an "outlier".
+HUBER_K = 1.5
+HUBER_MIN_SCALE = 0.02
+_HUBER_ITERATIONS = 30
+
+
+def _relative_fit(design, t, robust=False):
+    """NNLS of ``design @ c ~ t`` weighted by 1/t; returns (coefficients, relative errors).
+
+    ``robust=True`` iterates re-weighted NNLS with Huber weights on the relative
+    residuals, so one bad point (a run disturbed by another job) pulls the fit far less
+    than in plain least squares; every step is still the exact NNLS of
+    :func:`nonnegative_least_squares`.
+    """
     weighted = design / t[:, None]
-    coefficients = nonnegative_least_squares(weighted, np.ones_like(t))
+    ones = np.ones_like(t)
+    coefficients = nonnegative_least_squares(weighted, ones)
+    if robust and t.size > design.shape[1]:
+        for _ in range(_HUBER_ITERATIONS):
+            residuals = weighted @ coefficients - ones
+            scale = max(HUBER_MIN_SCALE,
+                        1.4826 * float(np.median(np.abs(residuals - np.median(residuals)))))
+            limit = HUBER_K * scale
+            magnitude = np.abs(residuals)
+            weights = np.where(magnitude <= limit, 1.0, limit / np.maximum(magnitude, 1e-300))
+            root = np.sqrt(weights)[:, None]
+            updated = nonnegative_least_squares(weighted * root, ones * root[:, 0])
+            if np.allclose(updated, coefficients, rtol=1e-10, atol=0):
+                coefficients = updated
+                break
+            coefficients = updated
     predicted = design @ coefficients
     rel_errors = tuple(float(e) for e in (predicted - t) / t)
     return coefficients, rel_errors
 
 
-def fit_linear_relative(nbytes, seconds):
+def fit_linear_relative(nbytes, seconds, robust=False):
     """Fit ``t = alpha + beta * bytes`` minimising relative errors, with alpha, beta >= 0.
 
     nbytes: message sizes in bytes (any non-negative numbers; repeats allowed, e.g. every
         repetition of a size, or one median per size).
     seconds: the measured time of each message, same length, all > 0.
+    robust: Huber-weighted relative errors instead of squared ones (see
+        :func:`_relative_fit`): a single disturbed point moves the line much less.
 
     Needs at least two distinct sizes (one size cannot separate start-up from per-byte
     cost). Returns a :class:`LinearFit` with each point's relative error.
@@ -181,28 +216,60 @@ def fit_linear_relative(nbytes, seconds):
     if np.unique(x).size < 2:
         raise ValueError("nbytes: need at least 2 distinct message sizes to fit alpha and beta")
     design = np.column_stack([np.ones_like(x), x])
-    (alpha, beta), rel_errors = _relative_fit(design, t)
+    (alpha, beta), rel_errors = _relative_fit(design, t, robust)
     return LinearFit(alpha_s=float(alpha), beta_s_per_byte=float(beta), rel_errors=rel_errors)
 
 
-def fit_topk(numel, seconds):
+# The D*log2(D) column is kept only when it clearly helps: it must at least halve the
+# RMS relative error of the linear fit c0 + c1*D, and the linear fit must be worse than
+# this RMS (below it, the difference is measurement noise). Between 1e3 and 4e6
+# elements D and D*log2(D) differ in slope by a factor of 2.2 only, so on noisy data
+# the three-term fit trades c1 against c2 from run to run (a fit that "changes shape");
+# the linear form is the stable default.
+LOG_TERM_GAIN = 0.5
+LOG_TERM_NOISE_RMS = 0.03
+
+
+def _rms(errors):
+    return math.sqrt(sum(e * e for e in errors) / len(errors))
+
+
+def fit_topk(numel, seconds, log_term="auto", robust=False):
     """Fit ``t = c0 + c1*D + c2*D*log2(D)`` minimising relative errors, with c0, c1, c2 >= 0.
 
     numel: tensor sizes D (>= 1) the selector was timed on.
     seconds: the measured time of each selection, same length, all > 0.
+    log_term: ``"auto"`` (default) fits ``c0 + c1*D`` and adds the ``D*log2(D)`` term only
+        when the data clearly need it (it halves the RMS relative error, and the linear
+        fit's RMS error exceeds :data:`LOG_TERM_NOISE_RMS`); ``True`` always offers all
+        three terms to the fit, ``False`` never (``c2 = 0``).
+    robust: Huber-weighted relative errors (see :func:`fit_linear_relative`).
 
     ``c0`` is the fixed cost (kernel launches, Python), ``c1`` a streaming pass over the
     data (abs, threshold), ``c2`` a sort-like term. Needs at least three distinct sizes.
-    Returns a :class:`TopkFit` with each point's relative error.
+    Returns a :class:`TopkFit` with each point's relative error and the chosen form.
     """
+    if log_term not in ("auto", True, False):
+        raise ValueError(f"log_term: must be 'auto', True or False, got {log_term!r}")
     d, t = _as_samples("numel", numel, "seconds", seconds)
     if np.any(d < 1):
         raise ValueError("numel: every size must be >= 1")
     if np.unique(d).size < 3:
         raise ValueError("numel: need at least 3 distinct sizes to fit c0, c1 and c2")
-    design = np.column_stack([np.ones_like(d), d, d * np.log2(d)])
-    (c0, c1, c2), rel_errors = _relative_fit(design, t)
-    return TopkFit(c0=float(c0), c1=float(c1), c2=float(c2), rel_errors=rel_errors)
+    full_design = np.column_stack([np.ones_like(d), d, d * np.log2(d)])
+    if log_term is True:
+        (c0, c1, c2), rel_errors = _relative_fit(full_design, t, robust)
+        return TopkFit(c0=float(c0), c1=float(c1), c2=float(c2), rel_errors=rel_errors)
+    (c0, c1), rel_errors = _relative_fit(full_design[:, :2], t, robust)
+    linear = TopkFit(c0=float(c0), c1=float(c1), c2=0.0, rel_errors=rel_errors, form="linear")
+    if log_term is False:
+        return linear
+    (c0, c1, c2), rel_errors = _relative_fit(full_design, t, robust)
+    full = TopkFit(c0=float(c0), c1=float(c1), c2=float(c2), rel_errors=rel_errors)
+    linear_rms = _rms(linear.rel_errors)
+    if linear_rms > LOG_TERM_NOISE_RMS and _rms(full.rel_errors) <= LOG_TERM_GAIN * linear_rms:
+        return full
+    return linear
 
 
 class OnlineLinearFitter:

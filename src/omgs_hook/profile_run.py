@@ -50,6 +50,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -59,13 +60,32 @@ from omgs_hook.cost_model import selected_k
 from omgs_hook.fitting import fit_linear_relative, fit_topk
 from omgs_hook.profile_file import SCHEMA_VERSION, profile_from_dict
 
-# Default sweep: 8 log-spaced message sizes 1 KiB .. 8 MiB (a sparse group of a
-# 100M-parameter model at density 0.01 contributes 8 MB) and top-k over 1e3 .. 4e6
-# elements; with 2 gloo ranks on 2 CPU cores this takes well under a minute.
-DEFAULT_SIZES = tuple(int(round(1024 * 2 ** (13 * i / 7) / 8)) * 8 for i in range(8))
-DEFAULT_TOPK_SIZES = tuple(int(round(1e3 * (4e3 ** (i / 7)))) for i in range(8))
+# Default sweep: adaptive. Message sizes grow geometrically (x2) from 1 KiB towards
+# 8 MiB (a sparse group of a 100M-parameter model at density 0.01 contributes 8 MB) and
+# top-k sizes from 1e3 towards 4e6 elements; each part of the sweep stops growing once
+# its next point would not fit in its share of --time-budget (see plan_point).
+DEFAULT_MIN_SIZE = 1024
+DEFAULT_MAX_SIZE = 8 * 2 ** 20
+DEFAULT_MIN_TOPK_SIZE = 1000
+DEFAULT_MAX_TOPK_SIZE = 4_000_000
+GROWTH = 2.0
+DEFAULT_TIME_BUDGET_S = 30.0
 DEFAULT_REPS = 20
 DEFAULT_WARMUP = 5
+# adaptive repetitions never go below MIN_REPS (a median of 5 still ignores 2 stray reps)
+MIN_REPS = 5
+# the smallest MIN_POINTS sizes of each part are always measured, whatever the budget
+MIN_POINTS = 4
+# a point's timed reps may use at most POINT_SHARE of its part's budget, and at most
+# half of what is left of it, so that there is room to grow further; beyond that its reps
+# drop (down to MIN_REPS)
+POINT_SHARE = 1 / 8
+# the last PROBE_CALLS warm-up calls of a point are timed; the fastest of them predicts
+# its reps (one stray slow call must not abandon a point), so expensive points keep this
+# many warm-up calls
+PROBE_CALLS = 2
+# how the budget is split; what a part leaves unused goes to the parts after it
+SECTION_WEIGHTS = {"all_gather": 0.4, "all_reduce": 0.3, "topk": 0.3}
 QUICK_SIZES = (1024, 8192, 65536)
 QUICK_TOPK_SIZES = (1000, 10000, 100000)
 QUICK_REPS = 3
@@ -97,6 +117,33 @@ def parse_size_list(text):
     return sorted(set(sizes))
 
 
+def geometric_sizes(start, stop, growth=GROWTH, multiple=1):
+    """Sizes from ``start`` to ``stop`` (both included), spaced by a factor of about ``growth``.
+
+    Rounded up to multiples of ``multiple`` and deduplicated; the ratio is adjusted so the last
+    size is exactly ``stop`` (rounded up to a multiple).
+    """
+    if not (start >= 1 and stop >= start and growth > 1):
+        raise ValueError(f"geometric_sizes: need 1 <= start <= stop and growth > 1, "
+                         f"got {start}, {stop}, {growth}")
+    count = max(1, math.ceil(math.log(stop / start) / math.log(growth) - 1e-9)) + 1
+    ratio = (stop / start) ** (1 / (count - 1))
+    sizes = {max(multiple, -(-int(round(start * ratio ** i)) // multiple) * multiple)
+             for i in range(count)}
+    return sorted(sizes)
+
+
+def _time_budget(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad time budget {text!r}: expected seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"bad time budget {text!r}: must be a finite number of seconds >= 0")
+    return value
+
+
 _positive_int = cli_types.integer_at_least(1)
 _non_negative_int = cli_types.integer_at_least(0)
 _density = cli_types.density
@@ -115,16 +162,29 @@ def build_parser():
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="device the tensors live on (auto: cuda for nccl, else cpu)")
     parser.add_argument("--sizes", type=parse_size_list, default=None,
-                        help="message sizes in bytes, comma separated (default: 8 sizes 1K..8M); "
+                        help="message sizes in bytes, comma separated, all measured (default: "
+                             "adaptive, x2 from 1K up to --max-size within --time-budget); "
                              "rounded up to whole packed entries (8 bytes)")
     parser.add_argument("--topk-sizes", type=parse_size_list, default=None,
-                        help="top-k input sizes D in elements (default: 8 sizes 1e3..4e6)")
+                        help="top-k input sizes D in elements, all measured (default: adaptive, "
+                             "x2 from 1e3 up to --max-topk-size within --time-budget)")
+    parser.add_argument("--max-size", type=parse_size, default=DEFAULT_MAX_SIZE,
+                        help="largest message size of the adaptive sweep (default 8M)")
+    parser.add_argument("--max-topk-size", type=parse_size, default=DEFAULT_MAX_TOPK_SIZE,
+                        help="largest top-k size of the adaptive sweep (default 4e6)")
+    parser.add_argument("--time-budget", type=_time_budget, default=None, metavar="SECONDS",
+                        help=f"seconds of measuring the sweep may take; each part stops growing "
+                             f"its sizes (and lowers its reps, down to {MIN_REPS}) to stay "
+                             f"within its share (default {DEFAULT_TIME_BUDGET_S:g} for the "
+                             f"adaptive sweep, none for --sizes/--topk-sizes/--quick; "
+                             f"0 = no budget)")
     parser.add_argument("--topk-backends", default=None,
                         help="comma separated top-k backends to time (default: all available)")
     parser.add_argument("--density", type=_density, default=0.001,
                         help="top-k density: k = max(1, ceil(density * D)) (default 0.001)")
     parser.add_argument("--reps", type=_positive_int, default=None,
-                        help=f"timed repetitions per point (default {DEFAULT_REPS})")
+                        help=f"timed repetitions per point; with a budget, the most per point "
+                             f"(default {DEFAULT_REPS})")
     parser.add_argument("--warmup", type=_non_negative_int, default=None,
                         help=f"untimed calls before each point (default {DEFAULT_WARMUP})")
     parser.add_argument("--quick", action="store_true",
@@ -137,12 +197,44 @@ def build_parser():
     return parser
 
 
+@dataclass(frozen=True)
+class SweepSettings:
+    """What the sweep measures and how (``resolve_settings``); identical on every rank."""
+
+    sizes: tuple            # candidate message sizes, ascending
+    topk_sizes: tuple       # candidate top-k sizes, ascending
+    reps: int               # timed reps per point (the most, with a budget)
+    warmup: int             # untimed calls per point (the most, with a budget)
+    time_budget_s: object   # seconds of measuring, or None for no budget
+    adaptive: bool          # sizes are the default geometric grids
+    min_reps: int = MIN_REPS
+    min_points: int = MIN_POINTS
+
+
 def resolve_settings(args):
-    """Fill sweep defaults (``--quick`` or full) and check the sweep can be fitted."""
-    sizes = args.sizes or list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    """Fill sweep defaults (adaptive, ``--quick`` or explicit) and check it can be fitted."""
+    adaptive = args.sizes is None and args.topk_sizes is None and not args.quick
+    if args.sizes:
+        sizes = args.sizes
+    elif args.quick:
+        sizes = list(QUICK_SIZES)
+    else:
+        if args.max_size < 2 * DEFAULT_MIN_SIZE:
+            raise SystemExit(f"omgs-profile: --max-size: must be at least "
+                             f"{2 * DEFAULT_MIN_SIZE} (the sweep starts at {DEFAULT_MIN_SIZE})")
+        sizes = geometric_sizes(DEFAULT_MIN_SIZE, args.max_size, multiple=8)
     # whole packed entries: one entry = one float32 value + one int32 index = 8 bytes
     sizes = sorted({max(8, -(-s // 8) * 8) for s in sizes})
-    topk_sizes = args.topk_sizes or list(QUICK_TOPK_SIZES if args.quick else DEFAULT_TOPK_SIZES)
+    if args.topk_sizes:
+        topk_sizes = args.topk_sizes
+    elif args.quick:
+        topk_sizes = list(QUICK_TOPK_SIZES)
+    else:
+        if args.max_topk_size < 4 * DEFAULT_MIN_TOPK_SIZE:
+            raise SystemExit(f"omgs-profile: --max-topk-size: must be at least "
+                             f"{4 * DEFAULT_MIN_TOPK_SIZE} (the sweep starts at "
+                             f"{DEFAULT_MIN_TOPK_SIZE})")
+        topk_sizes = geometric_sizes(DEFAULT_MIN_TOPK_SIZE, args.max_topk_size)
     if len(sizes) < 2:
         raise SystemExit(
             "omgs-profile: --sizes: need at least 2 distinct sizes to fit alpha and beta")
@@ -154,7 +246,243 @@ def resolve_settings(args):
         warmup = args.warmup
     else:
         warmup = QUICK_WARMUP if args.quick else DEFAULT_WARMUP
-    return sizes, topk_sizes, reps, warmup
+    budget = args.time_budget
+    if budget is None:
+        budget = DEFAULT_TIME_BUDGET_S if adaptive else None
+    elif budget == 0:
+        budget = None
+    return SweepSettings(sizes=tuple(sizes), topk_sizes=tuple(topk_sizes), reps=reps,
+                         warmup=warmup, time_budget_s=budget, adaptive=adaptive,
+                         min_reps=min(MIN_REPS, reps))
+
+
+# ---------------------------------------------------------------------------------------
+# the adaptive sweep: pure decisions, an injectable timing source
+# ---------------------------------------------------------------------------------------
+#
+# Every decision below is a pure function of the settings (the same on every rank) and of
+# *agreed* numbers: the times a timing source returns are MAX-all-reduced over ranks, so
+# every rank sees the same values and takes the same decision, and all ranks run the
+# same collectives. A rank deciding from its own clock alone would deadlock the others.
+
+
+@dataclass(frozen=True)
+class PointPlan:
+    """Measure the next size with this many untimed calls; ``predicted_s`` per call or None."""
+
+    warmup: int
+    predicted_s: object = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop growing before ``size``: ``reason`` is a code, ``message`` says why in words."""
+
+    size: int
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a timing source returns for one point (all values agreed across ranks).
+
+    seconds: the timed reps (slowest rank each); empty when the point was abandoned after
+        its probe. wall_s: the whole point, set-up and warm-up included (slowest rank).
+    probe_s: the probe - the fastest of the last :data:`PROBE_CALLS` warm-up calls, each
+        timed on the slowest rank - or None without warm-up.
+    """
+
+    seconds: tuple
+    wall_s: float
+    probe_s: object = None
+
+
+def plan_point(*, index, size, previous, spent_s, budget_s, settings):
+    """Decide whether to measure ``size`` (the ``index``-th candidate of a part) at all.
+
+    previous: ``(size, seconds per call)`` of the last measured point of this part - the
+        point's agreed wall time over its calls, so barriers and set-up count - or None.
+    spent_s / budget_s: this part's agreed seconds so far and its budget (None: no budget).
+
+    Returns a :class:`PointPlan` or a :class:`Stop`. The cost of ``size`` is predicted
+    linearly from the previous point (``per_call * size / previous_size``); the part stops
+    growing when even the cheapest measurement of it (one warm-up call and ``min_reps``
+    reps) would exceed what is left of the budget. The first ``min_points`` sizes are
+    always measured. Warm-up shrinks (down to 1) for points whose warm-up would eat more
+    than a quarter of what this point may use.
+    """
+    if budget_s is None:
+        return PointPlan(warmup=settings.warmup)
+    predicted = None
+    if previous is not None:
+        previous_size, per_call = previous
+        predicted = per_call * size / previous_size
+    remaining = budget_s - spent_s
+    warm_floor = min(PROBE_CALLS, settings.warmup)
+    if predicted is not None and index >= settings.min_points:
+        cheapest = predicted * (warm_floor + settings.min_reps)
+        if cheapest > remaining:
+            return Stop(size=size, reason="budget",
+                        message=f"the next size would take about {cheapest:.3g} s even with "
+                                f"{warm_floor} warm-up calls and {settings.min_reps} reps, and "
+                                f"{max(remaining, 0.0):.3g} s of this part's {budget_s:.3g} s "
+                                f"budget were left")
+    warmup = settings.warmup
+    if predicted is not None and predicted > 0 and warmup > warm_floor:
+        allowance = point_allowance(remaining, budget_s)
+        warmup = max(warm_floor, min(warmup, int(0.25 * allowance / predicted)))
+    return PointPlan(warmup=warmup, predicted_s=predicted)
+
+
+def point_allowance(remaining_s, budget_s):
+    """Seconds one point's timed reps may use: POINT_SHARE of the budget, half of what is left."""
+    return min(budget_s * POINT_SHARE, max(remaining_s, 0.0) / 2)
+
+
+def choose_reps(per_call_s, allowance_s, reps, min_reps):
+    """Timed reps that fit ``allowance_s`` at ``per_call_s`` each, within [min_reps, reps]."""
+    if per_call_s is None or per_call_s <= 0:
+        return reps
+    return max(min_reps, min(reps, int(allowance_s / per_call_s)))
+
+
+def reps_after_probe(*, index, plan, probe_s, spent_s, budget_s, settings):
+    """Timed reps for a point whose last warm-up call took ``probe_s`` (agreed); 0 = abandon.
+
+    The probe catches a size that is far more expensive than predicted (a super-linear
+    jump): if ``min_reps`` reps of it no longer fit in what is left, the point is
+    abandoned (unless it is one of the first ``min_points``) and the part stops. The
+    warm-up calls count as ``probe_s`` each.
+    """
+    if budget_s is None:
+        return settings.reps
+    per_call = probe_s if probe_s is not None else plan.predicted_s
+    warm_cost = (probe_s or 0.0) * plan.warmup
+    remaining = budget_s - spent_s - warm_cost
+    if (per_call is not None and index >= settings.min_points
+            and per_call * settings.min_reps > remaining):
+        return 0
+    return choose_reps(per_call, point_allowance(remaining, budget_s), settings.reps,
+                       settings.min_reps)
+
+
+def section_budgets(weights, spent_before, total_budget):
+    """Budget of the next part: its weight's share of what the earlier parts left."""
+    if total_budget is None:
+        return None
+    left = max(0.0, total_budget - spent_before)
+    return left * weights[0] / sum(weights)
+
+
+def run_section(name, sizes, measure, budget_s, settings, progress=None):
+    """Measure one part (``name``) of the sweep over ascending ``sizes``.
+
+    measure(size, warmup, reps_for) -> :class:`Measurement`: the injectable timing source;
+    ``reps_for(probe_s)`` gives the number of timed reps once the probe is known.
+    Returns ``(rows, record)``: ``rows`` = ``[(size, seconds tuple)]`` of the measured
+    points, ``record`` = what was measured, where it stopped and why (for the file).
+    """
+    rows, reps_used, warmups, spent = [], [], [], 0.0
+    previous, stop = None, None
+    for index, size in enumerate(sizes):
+        plan = plan_point(index=index, size=size, previous=previous, spent_s=spent,
+                          budget_s=budget_s, settings=settings)
+        if isinstance(plan, Stop):
+            stop = plan
+            break
+
+        def reps_for(probe_s, index=index, plan=plan, spent=spent):
+            return reps_after_probe(index=index, plan=plan, probe_s=probe_s, spent_s=spent,
+                                    budget_s=budget_s, settings=settings)
+
+        result = measure(size, plan.warmup, reps_for)
+        spent += result.wall_s
+        if progress is not None:
+            progress.update(1)
+        if not result.seconds:
+            stop = Stop(size=size, reason="probe",
+                        message=f"its warm-up calls took {result.probe_s:.3g} s each, so "
+                                f"{settings.min_reps} reps would not fit in the "
+                                f"{max(budget_s - spent, 0.0):.3g} s left of this part's "
+                                f"{budget_s:.3g} s budget")
+            break
+        rows.append((size, tuple(result.seconds)))
+        reps_used.append(len(result.seconds))
+        warmups.append(plan.warmup)
+        previous = (size, result.wall_s / (plan.warmup + len(result.seconds)))
+    if progress is not None:
+        progress.update(len(sizes) - len(rows) - (1 if stop and stop.reason == "probe" else 0))
+    measured = [size for size, _ in rows]
+    over = budget_s is not None and spent > budget_s
+    record = {
+        "planned": list(sizes),
+        "measured": measured,
+        "reps": reps_used,
+        "warmup": warmups,
+        "budget_s": budget_s,
+        "spent_s": spent,
+        "complete": stop is None,
+        "stopped_before": None if stop is None else stop.size,
+        "reason": None if stop is None else stop.reason,
+        "message": None if stop is None else stop.message,
+        "over_budget": over,
+    }
+    return rows, record
+
+
+def run_sweep(parts, budget_s, settings, progress=None):
+    """Run every part in order, sharing ``budget_s`` by :data:`SECTION_WEIGHTS`.
+
+    parts: ``[(name, weight, sizes, measure)]``. Unused budget of a part goes to the parts
+    after it. Returns ``(rows by name, records by name, seconds spent)``.
+    """
+    rows, records, spent = {}, {}, 0.0
+    for position, (name, _weight, sizes, measure) in enumerate(parts):
+        weights = [w for _, w, _, _ in parts[position:]]
+        budget = section_budgets(weights, spent, budget_s)
+        rows[name], records[name] = run_section(name, sizes, measure, budget, settings,
+                                                progress)
+        spent += records[name]["spent_s"]
+    return rows, records, spent
+
+
+def truncation_notes(records):
+    """One line per part the budget cut short: what was measured, where and why it stopped."""
+    notes = []
+    for name, record in records.items():
+        if record["complete"]:
+            continue
+        measured = record["measured"]
+        notes.append(
+            f"{name}: the time budget cut the sweep short: measured {len(measured)} of "
+            f"{len(record['planned'])} sizes ({_size_range(name, measured)}), stopped before "
+            f"{_size_text(name, record['stopped_before'])} because {record['message']}; the fit "
+            f"extrapolates beyond the largest measured size, "
+            f"{_size_text(name, measured[-1]) if measured else 'none'}")
+    for name, record in records.items():
+        if record["over_budget"]:
+            notes.append(f"{name}: took {record['spent_s']:.3g} s, over its "
+                         f"{record['budget_s']:.3g} s budget (the first {MIN_POINTS} sizes are "
+                         f"always measured, and a point's cost is only known once measured)")
+    return notes
+
+
+def _size_text(name, size):
+    if size is None:
+        return "none"
+    if name.startswith("topk"):
+        return f"D={size:g}"
+    for unit, factor in (("MiB", 2 ** 20), ("KiB", 1024)):
+        if size >= factor:
+            return f"{size / factor:.4g} {unit}"
+    return f"{size} B"
+
+
+def _size_range(name, sizes):
+    if not sizes:
+        return "none"
+    return f"{_size_text(name, sizes[0])} .. {_size_text(name, sizes[-1])}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,22 +540,45 @@ class Timer:
         else:
             dist.barrier()
 
-    def slowest_rank_seconds(self, call, reps, warmup):
-        """Per-rep seconds of ``call`` on the slowest rank (list of ``reps`` floats)."""
-        for _ in range(warmup):
-            call()
+    def _agreed(self, values):
+        """``values`` MAX-all-reduced over ranks: the same list on every rank."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return [float(t) for t in tensor.cpu()]
+
+    def _timed(self, call):
+        self.barrier()
         self._sync()
-        mine = []
-        for _ in range(reps):
-            self.barrier()
-            self._sync()
+        start = time.perf_counter()
+        call()
+        self._sync()
+        return time.perf_counter() - start
+
+    def timing_source(self, make_call):
+        """A ``measure(size, warmup, reps_for)`` timing source for :func:`run_section`.
+
+        ``make_call(size)`` builds the timed callable (its set-up counts in the wall time).
+        The last warm-up calls are timed as the probe; the probe, every rep and the point's
+        wall time are MAX-all-reduced, so every rank returns the same numbers and
+        ``reps_for`` - a pure function of them - picks the same number of reps everywhere.
+        """
+
+        def measure(size, warmup, reps_for):
             start = time.perf_counter()
-            call()
+            call = make_call(size)
+            probes = min(PROBE_CALLS, warmup)
+            for _ in range(warmup - probes):
+                call()
             self._sync()
-            mine.append(time.perf_counter() - start)
-        times = torch.tensor(mine, dtype=torch.float64, device=self.device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        return [float(t) for t in times.cpu()]
+            probe = None
+            if probes:
+                probe = min(self._agreed([self._timed(call) for _ in range(probes)]))
+            reps = reps_for(probe)
+            mine = [self._timed(call) for _ in range(reps)]
+            agreed = self._agreed(mine + [time.perf_counter() - start])
+            return Measurement(seconds=tuple(agreed[:-1]), wall_s=agreed[-1], probe_s=probe)
+
+        return measure
 
 
 # ---------------------------------------------------------------------------------------
@@ -275,35 +626,49 @@ def _median(values):
     return float(statistics.median(values))
 
 
-def measure(sizes, topk_sizes, topk_backends, density, reps, warmup, device, progress):
-    """Run every measurement; returns the raw samples (identical on every rank)."""
+def measure(settings, topk_backends, density, device, progress):
+    """Run the sweep on the process group; returns (samples, sweep records, seconds spent).
+
+    The samples and records are identical on every rank (all times are agreed).
+    """
     from omgs_hook.topk import get_selector
 
     timer = Timer(device)
     generator = torch.Generator().manual_seed(1234 + dist.get_rank())
-    samples = {"all_gather": [], "all_reduce": [], "topk": {}}
-    for nbytes in sizes:
-        for name, make in (("all_gather", packed_allgather_call),
-                           ("all_reduce", dense_allreduce_call)):
-            progress.set_postfix_str(f"{name} {nbytes} B")
-            seconds = timer.slowest_rank_seconds(make(nbytes, device, generator), reps, warmup)
-            samples[name].append({"bytes": nbytes, "seconds": seconds})
-            progress.update(1)
+
+    def collective(make):
+        return timer.timing_source(lambda nbytes: make(nbytes, device, generator))
+
+    def selection(selector):
+        return timer.timing_source(
+            lambda numel: topk_call(selector, numel, density, device, generator)[0])
+
+    parts = [("all_gather", SECTION_WEIGHTS["all_gather"], settings.sizes,
+              collective(packed_allgather_call)),
+             ("all_reduce", SECTION_WEIGHTS["all_reduce"], settings.sizes,
+              collective(dense_allreduce_call))]
     for backend in topk_backends:
-        selector = get_selector(backend, device)
-        rows = samples["topk"][backend] = []
-        for numel in topk_sizes:
-            progress.set_postfix_str(f"top-k {backend} D={numel}")
-            call, k = topk_call(selector, numel, density, device, generator)
-            seconds = timer.slowest_rank_seconds(call, reps, warmup)
-            rows.append({"numel": numel, "k": k, "seconds": seconds})
-            progress.update(1)
-    return samples
+        parts.append((f"topk:{backend}", SECTION_WEIGHTS["topk"] / len(topk_backends),
+                      settings.topk_sizes, selection(get_selector(backend, device))))
+    rows, records, spent = run_sweep(parts, settings.time_budget_s, settings, progress)
+    samples = {name: [{"bytes": size, "seconds": list(seconds)} for size, seconds in rows[name]]
+               for name in ("all_gather", "all_reduce")}
+    samples["topk"] = {}
+    for backend in topk_backends:
+        samples["topk"][backend] = [
+            {"numel": numel, "k": selected_k(numel, density), "seconds": list(seconds)}
+            for numel, seconds in rows[f"topk:{backend}"]]
+    return samples, records, spent
 
 
 # ---------------------------------------------------------------------------------------
 # fitting and the file
 # ---------------------------------------------------------------------------------------
+
+
+# fit choices shared with the simulated-stability test (tests/test_fitting.py)
+ROBUST_FIT = True
+TOPK_LOG_TERM = "auto"
 
 
 def fit_samples(samples):
@@ -312,14 +677,15 @@ def fit_samples(samples):
     for key, name in (("comm", "all_gather"), ("dense", "all_reduce")):
         rows = samples[name]
         medians = [_median(r["seconds"]) for r in rows]
-        fit = fit_linear_relative([r["bytes"] for r in rows], medians)
+        fit = fit_linear_relative([r["bytes"] for r in rows], medians, robust=ROBUST_FIT)
         fits[key] = fit
         errors[key] = [{"bytes": r["bytes"], "median_s": m, "rel_error": e}
                        for r, m, e in zip(rows, medians, fit.rel_errors)]
     fits["topk_all"], errors["topk"] = {}, {}
     for backend, rows in samples["topk"].items():
         medians = [_median(r["seconds"]) for r in rows]
-        fit = fit_topk([r["numel"] for r in rows], medians)
+        fit = fit_topk([r["numel"] for r in rows], medians, log_term=TOPK_LOG_TERM,
+                       robust=ROBUST_FIT)
         fits["topk_all"][backend] = fit
         errors["topk"][backend] = [{"numel": r["numel"], "k": r["k"], "median_s": m, "rel_error": e}
                                    for r, m, e in zip(rows, medians, fit.rel_errors)]
@@ -335,7 +701,7 @@ def _cupy_version():
 
 
 def build_document(*, samples, fits, errors, default_backend, world_size, backend, device,
-                   settings):
+                   settings, sweep=None):
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     topk = fits["topk_all"][default_backend]
     return {
@@ -350,9 +716,10 @@ def build_document(*, samples, fits, errors, default_backend, world_size, backen
         "comm": fits["comm"].to_cost().to_dict(),
         "dense": fits["dense"].to_cost().to_dict(),
         "topk": {"backend": default_backend, "c0": topk.c0, "c1": topk.c1, "c2": topk.c2},
-        "topk_all": {name: {"c0": f.c0, "c1": f.c1, "c2": f.c2}
+        "topk_all": {name: {"c0": f.c0, "c1": f.c1, "c2": f.c2, "form": f.form}
                      for name, f in fits["topk_all"].items()},
         "settings": settings,
+        "sweep": sweep,
         "fit_errors": errors,
         "samples": samples,
     }
@@ -391,6 +758,11 @@ def plot_profile(document, path):
         line_x = np.geomspace(x.min(), x.max(), 100)
         left.plot(line_x, alpha + beta * line_x, "-", color=color,
                   label=f"fit {alpha * 1e3:.3g} ms + {beta * 1e9:.3g} ns/B")
+        top = _planned_top(document, "all_gather" if key == "comm" else "all_reduce")
+        if top and top > x.max():
+            far = np.geomspace(x.max(), top, 20)
+            left.plot(far, alpha + beta * far, "--", color=color,
+                      label="extrapolated (not measured: time budget)")
     left.set(xscale="log", yscale="log", xlabel="bytes per rank", ylabel="seconds (slowest rank)",
              title=f"collectives: {document['backend']}, {document['world_size']} ranks")
     left.grid(True, which="both", alpha=0.3)
@@ -407,6 +779,11 @@ def plot_profile(document, path):
         right.plot(line_d, c["c0"] + c["c1"] * line_d + c["c2"] * line_d * np.log2(line_d), "-",
                    color=color,
                    label=f"{backend} fit: c0={c['c0']:.2g} c1={c['c1']:.2g} c2={c['c2']:.2g}")
+        top = _planned_top(document, f"topk:{backend}")
+        if top and top > d.max():
+            far = np.geomspace(d.max(), top, 20)
+            right.plot(far, c["c0"] + c["c1"] * far + c["c2"] * far * np.log2(far), "--",
+                       color=color, label=f"{backend} extrapolated (time budget)")
     right.set(xscale="log", yscale="log", xlabel="elements D", ylabel="seconds (slowest rank)",
               title=f"top-k on {document['device_name']}, "
                     f"density {document['settings']['topk_density']:g}")
@@ -415,6 +792,11 @@ def plot_profile(document, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _planned_top(document, name):
+    record = ((document.get("sweep") or {}).get("sections") or {}).get(name)
+    return record["planned"][-1] if record and not record["complete"] else None
 
 
 def _summary(document, out, plot_path, elapsed):
@@ -430,6 +812,12 @@ def _summary(document, out, plot_path, elapsed):
         mark = " (default)" if backend == document["topk"]["backend"] else ""
         lines.append(f"  top-k {backend:<8} c0 = {c['c0']:.3g} s, c1 = {c['c1']:.3g} s, "
                      f"c2 = {c['c2']:.3g} s (worst point {worst:.0%} off){mark}")
+    sweep = document.get("sweep") or {}
+    if sweep.get("time_budget_s") is not None:
+        lines.append(f"  time budget {sweep['time_budget_s']:g} s, {sweep['spent_s']:.1f} s "
+                     f"spent measuring")
+    for note in sweep.get("notes", []):
+        lines.append(f"  WARNING {note}")
     lines.append(f"  wrote {out}" + (f" and {plot_path}" if plot_path else ""))
     return "\n".join(lines)
 
@@ -447,7 +835,7 @@ class _NoProgress:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    sizes, topk_sizes, reps, warmup = resolve_settings(args)
+    settings = resolve_settings(args)
     backend, device = choose_backend_and_device(args.backend, args.device)
 
     from omgs_hook.topk import available_backends, get_selector
@@ -477,7 +865,7 @@ def main(argv=None):
         if rank == 0 and single:
             print("omgs-profile: no launcher environment, running as a single rank "
                   "(collective figures say nothing about a network)", file=sys.stderr)
-        steps = 2 * len(sizes) + len(topk_backends) * len(topk_sizes)
+        steps = 2 * len(settings.sizes) + len(topk_backends) * len(settings.topk_sizes)
         progress = _NoProgress()
         if rank == 0 and not args.no_progress:
             try:
@@ -488,22 +876,39 @@ def main(argv=None):
                 progress = tqdm(total=steps, desc="omgs-profile", unit="point", file=sys.stderr)
         started = time.perf_counter()
         try:
-            samples = measure(sizes, topk_sizes, topk_backends, args.density, reps, warmup,
-                              device, progress)
+            samples, records, spent = measure(settings, topk_backends, args.density, device,
+                                              progress)
         finally:
             progress.close()
         elapsed = time.perf_counter() - started
         if rank == 0:
+            notes = truncation_notes(records)  # printed with the summary, kept in the file
             fits, errors = fit_samples(samples)
-            settings = {"sizes_bytes": sizes, "topk_numel": topk_sizes,
-                        "topk_density": args.density,
-                        "reps": reps, "warmup": warmup, "quick": args.quick,
-                        "torch_threads": torch.get_num_threads(),
-                        "statistic": "median over reps of the slowest rank's time",
-                        "elapsed_s": elapsed}
+            sweep = {
+                "adaptive": settings.adaptive,
+                "time_budget_s": settings.time_budget_s,
+                "spent_s": spent,
+                "growth": GROWTH if settings.adaptive else None,
+                "min_reps": settings.min_reps, "min_points": settings.min_points,
+                "sections": records,
+                "truncated": [name for name, r in records.items() if not r["complete"]],
+                "notes": notes,
+            }
+            run_settings = {"sizes_bytes": list(settings.sizes),
+                            "topk_numel": list(settings.topk_sizes),
+                            "topk_density": args.density,
+                            "reps": settings.reps, "warmup": settings.warmup,
+                            "quick": args.quick, "time_budget_s": settings.time_budget_s,
+                            "torch_threads": torch.get_num_threads(),
+                            "statistic": "median over reps of the slowest rank's time",
+                            "fit": ("relative-error NNLS, Huber-weighted" if ROBUST_FIT
+                                    else "relative-error NNLS") + f", top-k log term "
+                                                                   f"{TOPK_LOG_TERM}",
+                            "elapsed_s": elapsed}
             document = build_document(samples=samples, fits=fits, errors=errors,
                                       default_backend=default_backend, world_size=world_size,
-                                      backend=backend, device=device, settings=settings)
+                                      backend=backend, device=device, settings=run_settings,
+                                      sweep=sweep)
             profile_from_dict(document, args.out)  # never write a file load_profile rejects
             write_json_atomically(args.out, document)
             plot_path = None
