@@ -139,6 +139,20 @@ def test_nan_counts_as_largest():
 
 
 @pytest.mark.parametrize("name", sorted(CPU_SELECTORS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=str)
+@pytest.mark.parametrize("k", [1, 3, 40])
+def test_a_non_finite_entry_is_always_selected(name, bad, k):
+    # the hook's non-finite check looks only at the k selected values: it relies on this
+    gen = torch.Generator().manual_seed(k)
+    for position in (0, 777, 40_008):
+        x = torch.randn(40_009, generator=gen) * 1e30  # large finite values around it
+        x[position] = bad
+        values, indices = CPU_SELECTORS[name]().select(x, k)
+        assert position in indices.tolist()
+        assert not bool(torch.isfinite(values).all())
+
+
+@pytest.mark.parametrize("name", sorted(CPU_SELECTORS))
 def test_non_contiguous_and_grad_inputs(name):
     generator = torch.Generator().manual_seed(5)
     base = torch.randn(2 * 50_001, generator=generator)

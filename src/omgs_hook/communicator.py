@@ -37,7 +37,11 @@ def payload_bytes(k):
 
 
 def pack_sparse(values, indices, nonfinite=False):
-    """Pack k values (any float dtype), k int64 indices and a status word into float32."""
+    """Pack k values (any float dtype), k int64 indices and a status word into float32.
+
+    ``nonfinite`` is a bool or a 0-d tensor on the values' device (the hook passes the
+    result of a check on the device, so packing never waits for the device).
+    """
     k = values.numel()
     if indices.numel() != k:
         raise ValueError(f"pack_sparse: {k} values but {indices.numel()} indices")
@@ -45,7 +49,10 @@ def pack_sparse(values, indices, nonfinite=False):
     payload[:k].copy_(values)
     # int32 covers groups of up to 2**31 - 1 elements; the hook checks the group size.
     payload[k : 2 * k].view(torch.int32).copy_(indices)
-    payload[2 * k] = 1.0 if nonfinite else 0.0
+    if torch.is_tensor(nonfinite):
+        payload[2 * k :].copy_(nonfinite.reshape(1))
+    else:
+        payload[2 * k] = 1.0 if nonfinite else 0.0
     return payload
 
 

@@ -19,6 +19,7 @@ import torch
 
 from . import communicator
 from .cost_model import selected_k
+from .residual_memory import CURRENT
 
 
 class GroupRecord:
@@ -98,15 +99,16 @@ class StepExchange:
         """Register bucket ``bucket`` (DDP GradBucket): its ``params`` have ``keys``."""
         index = len(self.layout)
         grads = bucket.gradients()
+        buffer = bucket.buffer()
         self.layout.append(tuple(keys))
         for key, grad, param in zip(keys, grads, params):
-            self.arrived[key] = (index, grad.view(-1))
+            self.arrived[key] = (index, grad.view(-1), _offset_in(grad, buffer))
             if param.grad is None:
                 self.parked.add(key)
         future = torch.futures.Future()
         with self._lock:
             self._futures.append(future)
-            self._buffers.append(bucket.buffer())
+            self._buffers.append(buffer)
             self._remaining.append(len(keys))
         return future
 
@@ -120,30 +122,64 @@ class StepExchange:
         """Assemble the group ``keys`` (all arrived) and issue its collective."""
         keys = tuple(keys)
         self.sent.update(keys)
-        residuals = [None if key in self.parked else self.memory.get(key) for key in keys]
         numel = sum(self.arrived[key][1].numel() for key in keys)
         bucket_index = self.whole_bucket(keys) if dense else None
-        if bucket_index is not None and all(r is None for r in residuals):
+        if bucket_index is not None and all(
+                key in self.parked or self.memory.get(key) is None for key in keys):
             self._send_dense_inplace(keys, numel, bucket_index)
         elif dense:
-            self._send_dense(keys, residuals, numel)
+            self._send_dense(keys, numel)
         else:
-            self._send_sparse(keys, residuals, numel)
+            self._send_sparse(keys, numel)
 
-    def _assemble(self, keys, residuals, numel):
-        """acc = concatenated gradients + residuals, fp32, in the group's key order."""
-        device = self.arrived[keys[0]][1].device
-        acc = torch.empty(numel, dtype=torch.float32, device=device)
+    def _segments(self, keys):
+        """The group's gradients as maximal runs that are contiguous both in the group's
+        order and in one bucket's buffer: ``[(group offset, length, gradient slice)]``.
+        One whole bucket is one run, so per-run work is per bucket, not per parameter."""
+        runs = []  # [group offset, length, bucket index, offset in its buffer or None, key]
         offset = 0
-        for key, residual in zip(keys, residuals):
-            grad = self.arrived[key][1]
+        for key in keys:
+            index, grad, at = self.arrived[key]
             n = grad.numel()
-            if residual is None:
-                acc[offset:offset + n].copy_(grad)
+            last = runs[-1] if runs else None
+            if (last is not None and at is not None and last[3] is not None
+                    and last[2] == index and last[3] + last[1] == at):
+                last[1] += n
             else:
-                torch.add(grad, residual, out=acc[offset:offset + n])
+                runs.append([offset, n, index, at, key])
             offset += n
-        return acc
+        return [(g_off, n, self.arrived[key][1] if at is None
+                 else self._buffers[index][at:at + n])
+                for g_off, n, index, at, key in runs]
+
+    def _accumulate(self, keys, numel):
+        """``spare = gradient + residual`` in the group's persistent buffer (fp32), one op
+        per contiguous run where the residual is the group's own; returns the buffers
+        and the gradient segments."""
+        device = self.arrived[keys[0]][1].device
+        numels = [self.arrived[key][1].numel() for key in keys]
+        buffers = self.memory.group_buffers(keys, numels, device)
+        spare, current = buffers.spare, buffers.current
+        sources = [None if key in self.parked else self.memory.residual_source(buffers, i, key)
+                   for i, key in enumerate(keys)]
+        segments = self._segments(keys)
+        if all(src is CURRENT for src in sources):
+            for g_off, n, grad in segments:
+                torch.add(grad, current[g_off:g_off + n], out=spare[g_off:g_off + n])
+        elif all(src is None for src in sources):
+            for g_off, n, grad in segments:
+                spare[g_off:g_off + n].copy_(grad)
+        else:  # mixed (after a plan change, a load, or parked parameters): per parameter
+            for i, key in enumerate(keys):
+                o, n = buffers.offsets[i], numels[i]
+                grad = self.arrived[key][1]
+                src = sources[i]
+                if src is None:
+                    spare[o:o + n].copy_(grad)
+                else:
+                    residual = current[o:o + n] if src is CURRENT else src
+                    torch.add(grad, residual, out=spare[o:o + n])
+        return buffers, segments
 
     def _send_dense_inplace(self, keys, numel, bucket_index):
         # No residual and exactly one bucket: average the bucket buffer in place, like
@@ -152,48 +188,44 @@ class StepExchange:
         buffer.div_(self.world_size)
         record = GroupRecord(keys, True, numel, numel, numel * buffer.element_size())
         self._issue(communicator.allreduce_async(buffer, self.process_group),
-                    lambda: self._finish_dense(keys, buffer, record, scale=None), record)
+                    lambda: self._finish_dense(keys, buffer, record, segments=None), record)
 
-    def _send_dense(self, keys, residuals, numel):
-        acc = self._assemble(keys, residuals, numel)
+    def _send_dense(self, keys, numel):
+        buffers, segments = self._accumulate(keys, numel)
+        acc = buffers.spare
         record = GroupRecord(keys, True, numel, numel, 4 * numel)
         self._issue(communicator.allreduce_async(acc, self.process_group),
-                    lambda: self._finish_dense(keys, acc, record, scale=1.0 / self.world_size),
-                    record)
+                    lambda: self._finish_dense(keys, acc, record, segments=segments), record)
 
-    def _send_sparse(self, keys, residuals, numel):
+    def _send_sparse(self, keys, numel):
         if numel > communicator.MAX_INDEX:
             raise ValueError(
                 f"a group of {numel} elements exceeds the int32 index range; use a plan "
                 "with smaller groups (e.g. strategy='threshold:...')"
             )
         started = time.perf_counter()
-        acc = self._assemble(keys, residuals, numel)
+        buffers, segments = self._accumulate(keys, numel)
+        acc = buffers.spare
         k = selected_k(numel, self.density)  # the planner's own k, bit for bit
-        # A non-finite input must not reach the residual nor the selector: flag it and
-        # send a harmless payload; every rank then treats the step as non-finite.
-        nonfinite = not bool(torch.isfinite(acc.sum()))
-        if nonfinite and bool(torch.isfinite(acc).all()):
-            nonfinite = False  # the sum overflowed, the entries are finite
         selecting = time.perf_counter()
-        if nonfinite:
-            values = torch.zeros(k, dtype=torch.float32, device=acc.device)
-            indices = torch.arange(k, device=acc.device)
-        else:
-            values, indices = self.selector.select(acc, k)
+        # Every selector ranks NaN above all numbers and inf above every finite value, so
+        # a non-finite entry of acc is always among the selected ones: checking the k
+        # values is the non-finite check (no pass over acc, no host sync). The flag
+        # travels in the payload; every rank then treats the step as non-finite and the
+        # staged residual (acc) is discarded, so acc may be modified regardless.
+        values, indices = self.selector.select(acc, k)
         selected = time.perf_counter()
-        payload = communicator.pack_sparse(values, indices, nonfinite=nonfinite)
-        if not nonfinite:
-            acc[indices] = 0.0  # what was sent leaves the residual; acc is now the residual
+        status = torch.logical_not(torch.isfinite(values)).any()
+        payload = communicator.pack_sparse(values, indices, nonfinite=status)
+        acc.index_fill_(0, indices, 0.0)  # what was sent leaves the residual
         record = GroupRecord(keys, False, numel, k, communicator.payload_bytes(k))
         future, gathered = communicator.allgather_async(payload, self.process_group)
         self._issue((future, gathered),
-                    lambda: self._finish_sparse(keys, acc, gathered, k, numel, record), record)
-        if not nonfinite:
-            self.topk_s += selected - selecting
-            # the rest of the group's work on this thread, for the cost model
-            self.overhead_samples.append(
-                (numel, selecting - started, time.perf_counter() - selected))
+                    lambda: self._finish_sparse(keys, buffers, segments, gathered, k, numel),
+                    record)
+        self.topk_s += selected - selecting
+        # the rest of the group's work on this thread, for the cost model
+        self.overhead_samples.append((numel, selecting - started, time.perf_counter() - selected))
 
     def _issue(self, future_or_pair, finish, record):
         future = future_or_pair[0] if isinstance(future_or_pair, tuple) else future_or_pair
@@ -224,48 +256,38 @@ class StepExchange:
             self.on_comm_sample(nbytes, now - start)
 
     # -- completion (collective callback threads) -----------------------------------
-    def _write_back(self, keys, result):
-        offset = 0
-        for key in keys:
-            grad = self.arrived[key][1]
-            n = grad.numel()
-            grad.copy_(result[offset:offset + n])
-            offset += n
-
     def _mark_nonfinite(self):
         if self.raise_on_nonfinite:
             raise FloatingPointError("omgs_hook: a rank's gradient holds NaN/Inf (nonfinite='raise')")
         self.nonfinite = True
 
-    def _finish_dense(self, keys, summed, record, scale):
+    def _finish_dense(self, keys, summed, record, segments):
         if not bool(torch.isfinite(summed.sum())) and not bool(torch.isfinite(summed).all()):
             self._mark_nonfinite()
-        if scale is not None:
-            summed.mul_(scale)
-            self._write_back(keys, summed)
+        if segments is not None:  # averaged straight into the bucket buffers
+            scale = 1.0 / self.world_size
+            for g_off, n, grad in segments:
+                if grad.dtype == summed.dtype:
+                    torch.mul(summed[g_off:g_off + n], scale, out=grad)
+                else:
+                    grad.copy_(summed[g_off:g_off + n].mul_(scale))
         for key in keys:
             if key not in self.parked and self.memory.get(key) is not None:
                 self.memory.stage(key, None)  # the residual went out with the dense sum
 
-    def _finish_sparse(self, keys, acc, gathered, k, numel, record):
+    def _finish_sparse(self, keys, buffers, segments, gathered, k, numel):
         started = time.perf_counter()
         values, indices, nonfinite_any = communicator.unpack_gathered(gathered, self.world_size, k)
         if nonfinite_any:
             # Every rank fills the group with NaN so an AMP GradScaler skips the step;
             # the step's residual updates are discarded at commit time.
             self._mark_nonfinite()
-            result = torch.full((numel,), float("nan"), dtype=torch.float32, device=acc.device)
+            for _, _, grad in segments:
+                grad.fill_(float("nan"))
         else:
-            result = torch.zeros(numel, dtype=torch.float32, device=acc.device)
-            result.index_add_(0, indices.reshape(-1), values.reshape(-1))
-            result.div_(self.world_size)
-        self._write_back(keys, result)
-        offset = 0
-        for key in keys:
-            n = self.arrived[key][1].numel()
-            if key not in self.parked:
-                self.memory.stage(key, acc[offset:offset + n])
-            offset += n
+            _scatter_average(segments, indices.reshape(-1), values.reshape(-1),
+                             1.0 / self.world_size, numel)
+        self.memory.stage_group(buffers, [key for key in keys if key not in self.parked])
         if not nonfinite_any:
             self.writeback_samples.append((numel, time.perf_counter() - started))
 
@@ -331,3 +353,45 @@ class StepExchange:
     def _after_finish(self):
         if self.on_finished is not None:
             self.on_finished(self)
+
+
+def _offset_in(grad, buffer):
+    """Element offset of ``grad`` inside the flat bucket ``buffer``, or None when it is not
+    a plain contiguous slice of it (then the gradient is handled on its own)."""
+    if (grad.dtype != buffer.dtype or not grad.is_contiguous()
+            or grad.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()):
+        return None
+    delta = grad.data_ptr() - buffer.data_ptr()
+    size = grad.element_size()
+    if delta < 0 or delta % size:
+        return None
+    at = delta // size
+    return at if at + grad.numel() <= buffer.numel() else None
+
+
+def _scatter_average(segments, indices, values, scale, numel):
+    """Write ``scale * (sum of every rank's sparse entries)`` into the group's gradients.
+
+    fp32 gradients in one run: zero the run, then ``index_add_`` the pre-scaled entries
+    straight into the bucket buffer (O(k) besides the zeroing). Several runs: each run
+    takes the entries that fall into it, masked (O(k) per run, no host sync). Other
+    gradient dtypes: the sum is formed in an fp32 temporary, then cast once (summing
+    world_size contributions in fp16/bf16 would round at every add).
+    """
+    if all(grad.dtype == torch.float32 for _, _, grad in segments):
+        if len(segments) == 1:
+            grad = segments[0][2]
+            grad.zero_()
+            grad.index_add_(0, indices, values, alpha=scale)
+            return
+        for g_off, n, grad in segments:
+            inside = (indices >= g_off) & (indices < g_off + n)
+            local = (indices - g_off).clamp_(0, n - 1)
+            grad.zero_()
+            grad.index_add_(0, local, torch.where(inside, values, values.new_zeros(())),
+                            alpha=scale)
+        return
+    result = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    result.index_add_(0, indices, values, alpha=scale)
+    for g_off, n, grad in segments:
+        grad.copy_(result[g_off:g_off + n])

@@ -1,0 +1,140 @@
+"""The hot path's pieces on their own: persistent group buffers, all-or-nothing commits,
+and the scatter of averaged sparse entries straight into bucket buffers."""
+
+import torch
+
+from omgs_hook.group_exchange import _offset_in, _scatter_average
+from omgs_hook.residual_memory import CURRENT, ResidualMemory
+
+DEV = torch.device("cpu")
+
+
+def _step(memory, keys, numels, grads, taken=None, commit=True):
+    """One step of a group as the exchange does it: spare = grad + residual, zero the
+    first entry (as if it was sent), stage, commit or discard."""
+    buffers = memory.group_buffers(keys, numels, DEV)
+    for i, key in enumerate(keys):
+        o, n = buffers.offsets[i], numels[i]
+        src = memory.residual_source(buffers, i, key)
+        out = buffers.spare[o:o + n]
+        if src is None:
+            out.copy_(grads[key])
+        else:
+            torch.add(grads[key], buffers.current[o:o + n] if src is CURRENT else src, out=out)
+    buffers.spare[0] = 0.0
+    memory.stage_group(buffers, keys if taken is None else taken)
+    if commit:
+        memory.commit_staged()
+    else:
+        memory.discard_staged()
+    return buffers
+
+
+def test_buffers_persist_and_commit_swaps_without_copy():
+    memory = ResidualMemory()
+    keys, numels = ("a", "b"), (3, 2)
+    grads = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([4.0, 5.0])}
+    first = _step(memory, keys, numels, grads)
+    a_storage = memory.get("a").untyped_storage().data_ptr()
+    assert memory.residual_source(first, 0, "a") is CURRENT
+    assert torch.equal(memory.get("a"), torch.tensor([0.0, 2.0, 3.0]))
+    second = _step(memory, keys, numels, grads)
+    assert second is first  # the same two buffers, step after step
+    assert torch.equal(memory.get("a"), torch.tensor([0.0, 4.0, 6.0]))
+    assert torch.equal(memory.get("b"), torch.tensor([8.0, 10.0]))
+    # the residual moved to the other buffer: a swap, not a copy into the same one
+    assert memory.get("a").untyped_storage().data_ptr() != a_storage
+
+
+def test_discarded_step_leaves_residual_bit_identical():
+    memory = ResidualMemory()
+    keys, numels = ("a",), (4,)
+    _step(memory, keys, numels, {"a": torch.tensor([1.0, 1.5, -2.0, 0.1])})
+    before = memory.get("a").clone()
+    _step(memory, keys, numels, {"a": torch.tensor([float("nan"), 7.0, 7.0, 7.0])}, commit=False)
+    assert torch.equal(memory.get("a"), before)
+    # and the next committed step starts from it
+    _step(memory, keys, numels, {"a": torch.zeros(4)})
+    assert torch.equal(memory.get("a")[1:], before[1:])
+
+
+def test_plan_change_reads_old_residual_once_and_releases_old_buffers():
+    memory = ResidualMemory()
+    grads = {"a": torch.ones(2), "b": torch.full((3,), 2.0)}
+    _step(memory, ("a",), (2,), grads)
+    _step(memory, ("b",), (3,), grads)
+    expected_a, expected_b = memory.get("a").clone(), memory.get("b").clone()
+    merged = memory.group_buffers(("a", "b"), (2, 3), DEV)
+    assert memory.residual_source(merged, 0, "a") is not CURRENT  # another group's slice
+    memory.discard_staged()
+    _step(memory, ("a", "b"), (2, 3), grads)
+    assert torch.equal(memory.get("a")[1:], (expected_a + 1)[1:])
+    assert torch.equal(memory.get("b"), expected_b + 2)
+    assert set(memory._groups) == {("a", "b")}  # the old plan's buffers were released
+
+
+def test_parked_parameter_keeps_its_residual_out_of_the_swapped_buffers():
+    memory = ResidualMemory()
+    keys, numels = ("a", "b"), (2, 2)
+    _step(memory, keys, numels, {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])})
+    parked = memory.get("b").clone()
+    # b unused this step: its slot is overwritten by the exchange, its residual must stay
+    _step(memory, keys, numels, {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([9.0, 9.0])},
+          taken=("a",))
+    assert torch.equal(memory.get("b"), parked)
+    _step(memory, keys, numels, {"a": torch.zeros(2), "b": torch.zeros(2)}, taken=("a",))
+    assert torch.equal(memory.get("b"), parked)
+
+
+def test_state_dict_round_trip_and_total_norm():
+    memory = ResidualMemory()
+    memory.note_shape("w", (2, 2))
+    _step(memory, ("w",), (4,), {"w": torch.tensor([1.0, 2.0, 2.0, 4.0])})
+    sd = memory.state_dict()
+    assert sd["w"].shape == (2, 2)
+    other = ResidualMemory()
+    other.load_state_dict(sd)
+    assert torch.equal(other.get("w"), memory.get("w"))
+    assert abs(memory.total_norm() - 24 ** 0.5) < 1e-12  # entry 0 was "sent"
+
+
+def _reference_average(indices, values, scale, numel):
+    out = torch.zeros(numel, dtype=torch.float64)
+    out.index_add_(0, indices, values.double())
+    return out * scale
+
+
+def test_scatter_average_one_run_and_several_runs_match_reference():
+    torch.manual_seed(0)
+    numel, world = 50, 3
+    indices = torch.cat([torch.randperm(numel)[:7].sort().values for _ in range(world)])
+    values = torch.randn(indices.numel())
+    expected = _reference_average(indices, values, 1 / world, numel)
+    one = torch.full((numel,), 9.0)
+    _scatter_average([(0, numel, one)], indices, values, 1 / world, numel)
+    assert torch.allclose(one.double(), expected, atol=1e-6)
+    # three runs in two bucket buffers, in group order
+    buf0, buf1 = torch.full((30,), 9.0), torch.full((40,), 9.0)
+    runs = [(0, 20, buf0[5:25]), (20, 10, buf1[0:10]), (30, 20, buf1[15:35])]
+    _scatter_average(runs, indices, values, 1 / world, numel)
+    got = torch.cat([buf0[5:25], buf1[0:10], buf1[15:35]])
+    assert torch.allclose(got.double(), expected, atol=1e-6)
+    assert torch.equal(buf0[:5], torch.full((5,), 9.0))  # outside the runs: untouched
+    assert torch.equal(buf1[10:15], torch.full((5,), 9.0))
+
+
+def test_scatter_average_low_precision_sums_in_fp32():
+    numel = 8
+    indices = torch.tensor([1, 1, 1, 1])
+    values = torch.tensor([1.0, 1e-3, 1e-3, 1e-3])
+    grad = torch.zeros(numel, dtype=torch.bfloat16)
+    _scatter_average([(0, numel, grad)], indices, values, 0.25, numel)
+    expected = torch.tensor((1.0 + 3e-3) / 4).to(torch.bfloat16)
+    assert grad[1] == expected and int((grad != 0).sum()) == 1
+
+
+def test_offset_in_bucket_buffer():
+    buffer = torch.zeros(10)
+    assert _offset_in(buffer[3:7], buffer) == 3
+    assert _offset_in(torch.zeros(4), buffer) is None  # another storage
+    assert _offset_in(buffer[::2], buffer) is None  # not contiguous
