@@ -81,7 +81,7 @@ def test_matching_rate_reproduces_the_recommended_rates():
     # measured slowest-rank DDP iterations (docs/emulated-cluster.md): compute alone,
     # and the iteration at a measured rate -> rate for a comm/compute ratio of 4
     cases = {("resnet20", 2): (0.138, 0.241, 100e6), ("resnet20", 4): (0.281, 0.438, 100e6),
-             ("vgg16", 2): (0.293, 0.993, 1e9), ("vgg16", 4): (0.618, 1.816, 1e9)}
+             ("resnet20", 8): (0.775, 3.493, 6e6), ("vgg16", 2): (0.293, 0.993, 1e9), ("vgg16", 4): (0.618, 1.816, 1e9)}
     for key, (compute, iteration, rate) in cases.items():
         derived = netem_cluster.matching_rate(compute, iteration, rate, target_ratio=4)
         recommended = netem_cluster.parse_rate(netem_cluster.RECOMMENDED_RATES[key])
