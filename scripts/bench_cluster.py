@@ -13,14 +13,24 @@ What is compared (one DDP model per variant, all built from the same initial wei
                deadlocks gloo as soon as a second bucket is in flight
     topk       omgs_hook strategy "single"    - TopK-SGD, one group of all gradients
     lags       omgs_hook strategy "layerwise" - LAGS-SGD, one group per DDP bucket
+    greedy     omgs_hook strategy "greedy"    - the paper's greedy merge rule
     omgs       omgs_hook strategy "optimal"   - OMGS-SGD, groups chosen by the planner
+    omgs_dense strategy "optimal", allow_dense=True - the planner may also send groups
+               as dense all-reduces (the hook's extension beyond the paper)
+    default    ``omgs_hook.register(ddp, density=..., profile=...)``: nothing else set,
+               so whatever the installed library does by default (e.g. a measured
+               selection among the plans above, ``select="measured"``)
 
-The three sparse variants share the same DDP buckets (``--sparse-bucket-cap-mb``, 0 =
-one parameter tensor per bucket, the units the original OMGS/LAGS code works with), the
+The omgs_hook variants share the same DDP buckets (``--sparse-bucket-cap-mb``, 0 = one
+parameter tensor per bucket, the units the original OMGS/LAGS code works with), the
 same density, top-k backend and error feedback; they differ only in how buckets are
-merged into groups. Every group is sparse, as the three algorithms are published; with
-``--allow-dense`` the hook's extension may send groups as dense all-reduces where its
-cost model finds that cheaper (result files then end in ``_dense``).
+merged into groups. The fixed variants (topk, lags, greedy, omgs, omgs_dense) plan with
+the cost model (``select="model"`` where the library has that option): they are the
+candidates the default chooses among. Every group of topk/lags/greedy/omgs is sparse, as
+the algorithms are published; with ``--allow-dense`` they too may send groups dense
+(result files then end in ``_dense``). The default variant runs untimed steps until its
+plan has settled (no selection trial in progress, the same plan for
+DEFAULT_STABLE_STEPS steps on every rank; at most ``--default-max-settle-steps``).
 
 How one configuration (model, N ranks, link rate, density) is measured:
 
@@ -68,7 +78,8 @@ Usage (needs root, ``ip`` and ``tc``; see docs/emulated-cluster.md)::
 
 Link rates (``default_rate``) give every configuration a communication/computation
 ratio of about 4 for dense all-reduce, as GPUs on 1 GbE have (docs/emulated-cluster.md):
-ResNet-20 uses netem_cluster's ``RECOMMENDED_RATES``, derived for this very model;
+ResNet-20 uses netem_cluster's ``RECOMMENDED_RATES``, derived for this very model
+(N = 2, 4 and 8);
 VGG-16 uses :data:`VGG16_RATES`, derived below for the model benchmarked here.
 ``--rate MODEL:N=RATE`` overrides one configuration. ``--wait-load X`` waits
 (up to ``--wait-load-max-s``) for the 1-minute load average to fall below X before each
