@@ -609,8 +609,9 @@ def plan_signature(state):
 def _selection_in_progress(stats):
     """Whether the hook says its measured plan selection (trial) is still running.
 
-    Reads the library's stats without knowing their exact shape: a ``selection`` or
-    ``trial`` entry with an ``active``/``running``/``in_progress`` flag, a
+    Reads the library's stats: ``stats()["selection"]["trial"]`` (the running trial,
+    None when none runs); failing that, without knowing their exact shape, a
+    ``selection`` or ``trial`` entry with an ``active``/``running``/``in_progress`` flag, a
     ``done``/``finished`` flag, or a ``phase``/``state`` naming a trial. Unknown shapes
     count as not running; the plan-stability rule of :func:`settle_default` still holds.
     """
@@ -618,6 +619,9 @@ def _selection_in_progress(stats):
         info = stats.get(key)
         if not isinstance(info, dict):
             continue
+        if key == "selection" and "trial" in info:
+            # omgs_hook's shape: the running trial's report, None when none is running
+            return info["trial"] is not None
         for flag in ("active", "running", "in_progress", "in_trial", "trial_active"):
             if flag in info:
                 return bool(info[flag])

@@ -170,6 +170,15 @@ def test_render_reports_the_defaults_targets_and_errors_per_strategy():
            "untimed warm-up steps, 2 plan(s) in its history]" in text
 
 
+def test_a_running_selection_trial_is_recognised():
+    running = bench._selection_in_progress
+    assert running({"selection": {"select": "measured", "trial": {"candidates": []}}})
+    assert not running({"selection": {"select": "measured", "trial": None,
+                                      "last_trial": {"winner": "single"}}})
+    assert not running({"plan": {}})  # a library without measured selection
+    assert running({"trial": {"active": True}}) and not running({"trial": {"done": True}})
+
+
 def test_write_doc_keeps_text_outside_the_markers(tmp_path):
     doc = tmp_path / "b.md"
     bench.write_doc(str(doc), "first table\n")
