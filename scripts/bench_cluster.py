@@ -1205,6 +1205,9 @@ def render_tables(results, plot_name):
         if plan_lines:
             out.append("Plans (units per group, consecutive units in gradient-ready order): "
                        + "; ".join(plan_lines) + ".\n")
+        trial = trial_line((r["variants"].get("default") or {}).get("hook") or {})
+        if trial:
+            out.append(trial + "\n")
     out.append("### Targets\n")
     out.append("`ceiling` is the best sparse peer's time over the compute-only time: the "
                "speed-up OMGS would reach over that peer if merging hid all of the peer's "
@@ -1254,6 +1257,26 @@ def default_note(variant, settings):
     if hook.get("plan_changed_while_timed"):
         parts.append("**plan changed while timed**")
     return " [" + ", ".join(parts) + "]" if parts else ""
+
+
+def trial_line(hook):
+    """The default's last measured selection trial in one line, or None without one."""
+    selection = hook.get("selection")
+    trial = selection.get("last_trial") if isinstance(selection, dict) else None
+    if not isinstance(trial, dict) or not trial.get("candidates"):
+        return None
+    parts = []
+    for c in trial["candidates"]:
+        predicted = c.get("predicted_s")
+        measured = c.get("measured_s")
+        groups = c.get("groups") or []
+        dense = sum(bool(d) for d in c.get("dense") or [])
+        text = (f"{c.get('name')} ({len(groups)} groups{f', {dense} dense' if dense else ''}) "
+                f"{_ms(predicted)}/{_ms(measured)}")
+        parts.append(f"**{text}**" if c.get("winner") else text)
+    return (f"Default's selection trial (steps {trial.get('start_step')}-"
+            f"{trial.get('decided_at')}, predicted/measured ms per step, winner in bold): "
+            + ", ".join(parts) + ".")
 
 
 def render_default_targets(results):

@@ -117,7 +117,13 @@ def _with_default(default=0.5, **medians):
     r["variants"]["default"] = _variant(default, predicted=default * 0.95)
     r["variants"]["default"]["hook"].update(
         {"options": {"select": "measured", "allow_dense": True}, "plan_history": [{}, {}],
-         "plan_changed_while_timed": False})
+         "plan_changed_while_timed": False,
+         "selection": {"select": "measured", "trial": None, "last_trial": {
+             "start_step": 5, "decided_at": 21, "winner": "single", "candidates": [
+                 {"name": "model", "groups": [[0], [1]], "dense": [True, False],
+                  "predicted_s": 0.4, "measured_s": 0.61, "winner": False},
+                 {"name": "single", "groups": [[0, 1]], "dense": [False],
+                  "predicted_s": 0.45, "measured_s": 0.5, "winner": True}]}}})
     r["variants"]["default"]["warmup_steps"] = 30
     r["library"] = {"commit": "0123456789abcdef", "dirty": False}
     return r
@@ -168,6 +174,8 @@ def test_render_reports_the_defaults_targets_and_errors_per_strategy():
                       "| -5% met |"]
     assert "omgs_hook default: 2 groups of [3, 2] [select=measured, allow_dense=True, 30 " \
            "untimed warm-up steps, 2 plan(s) in its history]" in text
+    assert "Default's selection trial (steps 5-21, predicted/measured ms per step, winner in " \
+           "bold): model (2 groups, 1 dense) 400/610, **single (1 groups) 450/500**." in text
 
 
 def test_a_running_selection_trial_is_recognised():
