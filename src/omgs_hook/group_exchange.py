@@ -12,6 +12,7 @@ Any exception - in a collective or in the local work - is routed to every bucket
 future still pending, so ``backward()`` raises instead of hanging.
 """
 
+import contextlib
 import threading
 import time
 
@@ -187,15 +188,16 @@ class StepExchange:
         buffer = self._buffers[bucket_index]
         buffer.div_(self.world_size)
         record = GroupRecord(keys, True, numel, numel, numel * buffer.element_size())
-        self._issue(communicator.allreduce_async(buffer, self.process_group),
-                    lambda: self._finish_dense(keys, buffer, record, segments=None), record)
+        self._issue(lambda: communicator.allreduce_async(buffer, self.process_group),
+                    lambda: self._finish_dense(keys, buffer, segments=None), record)
 
     def _send_dense(self, keys, numel):
-        buffers, segments = self._accumulate(keys, numel)
+        with _range("assemble", len(self.records)):
+            buffers, segments = self._accumulate(keys, numel)
         acc = buffers.spare
         record = GroupRecord(keys, True, numel, numel, 4 * numel)
-        self._issue(communicator.allreduce_async(acc, self.process_group),
-                    lambda: self._finish_dense(keys, acc, record, segments=segments), record)
+        self._issue(lambda: communicator.allreduce_async(acc, self.process_group),
+                    lambda: self._finish_dense(keys, acc, segments=segments), record)
 
     def _send_sparse(self, keys, numel):
         if numel > communicator.MAX_INDEX:
@@ -203,8 +205,10 @@ class StepExchange:
                 f"a group of {numel} elements exceeds the int32 index range; use a plan "
                 "with smaller groups (e.g. strategy='threshold:...')"
             )
+        group = len(self.records)
         started = time.perf_counter()
-        buffers, segments = self._accumulate(keys, numel)
+        with _range("assemble", group):
+            buffers, segments = self._accumulate(keys, numel)
         acc = buffers.spare
         k = selected_k(numel, self.density)  # the planner's own k, bit for bit
         selecting = time.perf_counter()
@@ -213,33 +217,49 @@ class StepExchange:
         # values is the non-finite check (no pass over acc, no host sync). The flag
         # travels in the payload; every rank then treats the step as non-finite and the
         # staged residual (acc) is discarded, so acc may be modified regardless.
-        values, indices = self.selector.select(acc, k)
+        with _range("select", group):
+            values, indices = self.selector.select(acc, k)
         selected = time.perf_counter()
-        status = torch.logical_not(torch.isfinite(values)).any()
-        payload = communicator.pack_sparse(values, indices, nonfinite=status)
-        acc.index_fill_(0, indices, 0.0)  # what was sent leaves the residual
+        with _range("pack", group):
+            status = torch.logical_not(torch.isfinite(values)).any()
+            payload = communicator.pack_sparse(values, indices, nonfinite=status)
+            acc.index_fill_(0, indices, 0.0)  # what was sent leaves the residual
         record = GroupRecord(keys, False, numel, k, communicator.payload_bytes(k))
-        future, gathered = communicator.allgather_async(payload, self.process_group)
-        self._issue((future, gathered),
-                    lambda: self._finish_sparse(keys, buffers, segments, gathered, k, numel),
+        gathered = []
+
+        def start():
+            future, out = communicator.allgather_async(payload, self.process_group)
+            gathered.append(out)
+            return future
+
+        self._issue(start,
+                    lambda: self._finish_sparse(keys, buffers, segments, gathered[0], k, numel),
                     record)
         self.topk_s += selected - selecting
         # the rest of the group's work on this thread, for the cost model
         self.overhead_samples.append((numel, selecting - started, time.perf_counter() - selected))
 
-    def _issue(self, future_or_pair, finish, record):
-        future = future_or_pair[0] if isinstance(future_or_pair, tuple) else future_or_pair
+    def _issue(self, start_collective, finish, record):
+        """Issue the group's collective (``start_collective() -> future``) and arrange for
+        ``finish`` (the write-back) to run when it completes. A profiler range
+        ``omgs/collective[gN]`` spans issue to completion."""
         with self._lock:
+            group = self._issued
             self._issued += 1
             self.records.append(record)
         issue_wall = time.perf_counter()
+        with _range("collective", group) as span:
+            future = start_collective()
+            if span is not None:  # the range ends when the collective completes
+                span._call_end_callbacks_on_future(future)
 
         def on_done(fut):
             try:
                 fut.value()  # raises if the collective failed
                 if not record.dense and self.on_comm_sample is not None:
                     self._comm_sample(record.bytes, issue_wall)
-                finish()
+                with _range("write_back", group):
+                    finish()
             except BaseException as exc:  # noqa: BLE001 - routed to the futures
                 self._fail(exc, group_finished=True)
                 return
@@ -261,7 +281,7 @@ class StepExchange:
             raise FloatingPointError("omgs_hook: a rank's gradient holds NaN/Inf (nonfinite='raise')")
         self.nonfinite = True
 
-    def _finish_dense(self, keys, summed, record, segments):
+    def _finish_dense(self, keys, summed, segments):
         if not bool(torch.isfinite(summed.sum())) and not bool(torch.isfinite(summed).all()):
             self._mark_nonfinite()
         if segments is not None:  # averaged straight into the bucket buffers
@@ -353,6 +373,14 @@ class StepExchange:
     def _after_finish(self):
         if self.on_finished is not None:
             self.on_finished(self)
+
+
+def _range(stage, group):
+    """A ``torch.profiler`` range ``omgs/<stage>[g<group>]`` (group = send order in the
+    step); a no-op context when no profiler is running, so the hot path pays nothing."""
+    if not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"omgs/{stage}[g{group}]")
 
 
 def _offset_in(grad, buffer):
