@@ -7,22 +7,56 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 pytestmark = pytest.mark.multiprocess
+
+# scripts/soak.py registers the hook with the library's defaults, under which the plan -
+# chosen from measured times - may send every group dense on loopback (nothing in the
+# residual) in one stretch of the run and sparse in another, which would make the
+# residual-growth check pass or fail by timing. This launcher runs soak.py with
+# allow_dense=False, so every group of every step keeps a residual. soak.py's ranks are
+# spawned: each re-runs this file as its main module, so the patch holds there too.
+SPARSE_LAUNCHER = f"""
+import sys
+sys.path.append({str(SCRIPTS)!r})  # behind the standard library (scripts/profile.py)
+import omgs_hook
+
+_register = omgs_hook.register
+
+
+def register(ddp_model, **options):
+    options.setdefault("allow_dense", False)
+    return _register(ddp_model, **options)
+
+
+omgs_hook.register = register
+import soak  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(soak.main())
+"""
 
 
 @pytest.mark.timeout(240)
 def test_short_soak_keeps_memory_flat_and_residual_bounded(tmp_path):
     out = tmp_path / "soak.json"
+    launcher = tmp_path / "sparse_soak.py"
+    launcher.write_text(SPARSE_LAUNCHER)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--steps", "160", "--replan-every", "20",
+        [sys.executable, str(launcher), "--steps", "160", "--replan-every", "20",
          "--sample-every", "10", "--density", "0.05", "--out", str(out), "--timeout", "200"],
         capture_output=True, text=True, timeout=230,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     for samples in report["per_rank"]:
-        assert samples[-1]["replans"] >= 7  # planned at step 5, then every 20 steps
+        # planned at step 5, then every 20 steps after the plan in use was made; a
+        # measured-selection trial (at most 36 steps, ending at a timing-dependent step)
+        # postpones the periodic re-plans, so count only those that fit after it:
+        # 1 + (160 - 5 - 36) // 20 = 6, minus one for a re-plan computed in the background
+        assert samples[-1]["replans"] >= 5
         assert samples[-1]["loss"] < samples[0]["loss"]  # it trained
+        assert all(s["residual_norm"] > 0 for s in samples)  # sparse: residual in use
+    assert report["total"]["bytes_sent"] < report["total"]["dense_bytes"] / 4
     assert "FAIL" not in proc.stdout
