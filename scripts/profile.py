@@ -2,7 +2,10 @@
 
     torchrun --nproc_per_node=2 scripts/profile.py --out profile.json
 
-See ``omgs_hook.profile_run`` (or ``--help``) for what is measured and the options.
+The default sweep is adaptive: message and top-k sizes double until the next one would
+not fit in its share of ``--time-budget`` (30 s of measuring by default); a sweep the
+budget cut short says so and records where and why. See ``omgs_hook.profile_run`` (or
+``--help``) for what is measured and the options, and docs/calibration.md.
 """
 
 import os

@@ -315,10 +315,11 @@ def test_plan_point_always_measures_the_first_points():
 
 
 def test_plan_point_shortens_warm_up_for_expensive_points():
+    # a point may use POINT_SHARE of the 10 s budget; its warm-up a quarter of that
+    warm_allowance = 0.25 * 10.0 * profile_run.POINT_SHARE
     assert _plan(previous=(1024, 1e-4)).warmup == 5                   # cheap: full warm-up
-    # 0.2 s per call predicted; a point may use 10/8 s, its warm-up a quarter of that
-    assert _plan(previous=(1024, 0.025)).warmup == 5
-    assert _plan(previous=(1024, 0.05)).warmup == 3
+    # predicted per call = 2x the previous (twice the size)
+    assert _plan(previous=(1024, warm_allowance / 3.5 / 2)).warmup == 3
     expensive = _plan(previous=(1024, 0.1))
     assert expensive.warmup == profile_run.PROBE_CALLS                # never below the probe
     assert expensive.predicted_s == pytest.approx(0.2)
@@ -334,9 +335,12 @@ def test_choose_reps_clamps_between_the_floor_and_the_most():
 def test_reps_after_probe_adapts_and_abandons_a_jump():
     plan = profile_run.PointPlan(warmup=2, predicted_s=0.1)
     reps = dict(plan=plan, spent_s=0.0, budget_s=10.0, settings=SETTINGS)
-    # allowance = min(10/8, left/2) = 1.25 s: 0.05 s per call -> 20 reps, 0.125 -> 10
+    # allowance = min(10 s * POINT_SHARE, left / 2): cheap calls get every rep, dearer ones
+    # as many as fit
+    allowance = 10.0 * profile_run.POINT_SHARE
     assert profile_run.reps_after_probe(index=6, probe_s=0.01, **reps) == 20
-    assert profile_run.reps_after_probe(index=6, probe_s=0.125, **reps) == 10
+    assert profile_run.reps_after_probe(index=6, probe_s=allowance / 10.5, **reps) == 10
+    assert profile_run.reps_after_probe(index=6, probe_s=allowance / 2, **reps) == 5
     # a probe 20x the prediction: 5 reps of 2 s no longer fit in the 6 s left
     assert profile_run.reps_after_probe(index=6, probe_s=2.0, **reps) == 0
     # ... but one of the first points is measured anyway, with the fewest reps

@@ -23,6 +23,19 @@ which is exactly the regime where merging groups matters. Two remedies are used 
    exact NNLS optimum is found by enumerating the supports (see
    :func:`nonnegative_least_squares`); no iterative solver and no scipy.
 
+Two options make fits stable from run to run (``omgs-profile`` uses both):
+
+3. **Huber weighting** (``robust=True``): iteratively re-weighted NNLS in which a point
+   whose relative residual exceeds 1.5 robust standard deviations (MAD-based, at least
+   2 %) counts in proportion to ``1/|residual|`` instead of ``residual**2`` - one point
+   disturbed by another job no longer tilts the line. (A point measured far *below* the
+   others still pulls it: relative residuals are asymmetric. Timing noise is upward.)
+4. **A top-k form that does not flip** (``fit_topk(log_term="auto")``, the default):
+   between 1e3 and 4e6 elements ``D`` and ``D*log2(D)`` differ in slope by a factor of
+   2.2 only, so a free three-term fit trades ``c1`` against ``c2`` with the noise. The
+   ``D*log2(D)`` term is kept only when it at least halves the RMS relative error of
+   ``c0 + c1*D`` and that error is above 3 %.
+
 Every fit reports each point's relative error ``(model - measured) / measured`` so a
 poor fit (e.g. a super-linear tail the linear model cannot follow) is visible in the
 profile file rather than hidden in two numbers.

@@ -27,15 +27,33 @@ collective - and the training step - finishes only when the slowest rank does. T
 median over reps of that slowest-rank time is the point that is fitted (robust to a
 stray slow rep); all reps are kept in the file as raw samples.
 
-Fits (``omgs_hook.fitting``): ``t = alpha + beta * bytes`` and
-``t = c0 + c1*D + c2*D*log2(D)``, both minimising *relative* error with non-negative
-coefficients; each point's relative fit error is written to the file and printed.
+The default sweep is **adaptive** under ``--time-budget`` seconds of measuring (default
+30): sizes double from 1 KiB (1e3 elements for top-k) towards ``--max-size`` 8 MiB
+(``--max-topk-size`` 4e6); the budget is shared between the all-gather, the all-reduce
+and each top-k backend, and each part stops growing once the next size - predicted from
+the last one - would not fit in what is left of its share. Expensive points get fewer
+reps (down to :data:`MIN_REPS`) and warm-up calls; the last warm-up calls are a timed
+probe that abandons a point far more expensive than predicted. Every decision is a pure
+function (:func:`plan_point`, :func:`reps_after_probe`) of MAX-all-reduced times, so all
+ranks take the same decisions and run the same collectives. Where the budget cut a part
+short, the profile's ``sweep`` record and the printed summary say which sizes were
+measured, where and why it stopped, and that the fit extrapolates beyond the largest
+measured size. Explicit ``--sizes``/``--topk-sizes`` and ``--quick`` measure exactly
+their sizes with fixed reps (no budget unless ``--time-budget`` is given). The timing
+source is injectable (:func:`run_section` takes any ``measure(size, warmup, reps_for)``),
+which the tests use to run the sweep on simulated noisy timings.
 
-Options: ``--sizes`` (message sizes in bytes), ``--topk-sizes`` (D values), ``--reps``,
-``--warmup``, ``--density``, ``--topk-backends``, ``--backend`` (default: nccl when CUDA
-is available, else gloo), ``--device``, ``--quick`` (a tiny sweep for tests and smoke
-checks), ``--no-plot``, ``--plot PATH``. Sizes accept ``K``/``M``/``G`` suffixes
-(powers of 1024) and scientific notation (``4e6``).
+Fits (``omgs_hook.fitting``): ``t = alpha + beta * bytes`` and
+``t = c0 + c1*D (+ c2*D*log2(D))``, both minimising Huber-weighted *relative* error with
+non-negative coefficients; the top-k fit keeps ``c2 = 0`` unless the data clearly need
+the ``D log D`` term. Each point's relative fit error is written to the file and printed.
+
+Options: ``--sizes`` (message sizes in bytes), ``--topk-sizes`` (D values), ``--max-size``,
+``--max-topk-size``, ``--time-budget``, ``--reps``, ``--warmup``, ``--density``,
+``--topk-backends``, ``--backend`` (default: nccl when CUDA is available, else gloo),
+``--device``, ``--quick`` (a tiny fixed sweep for tests and smoke checks), ``--no-plot``,
+``--plot PATH``. Sizes accept ``K``/``M``/``G`` suffixes (powers of 1024) and scientific
+notation (``4e6``).
 
 Without a launcher (no ``WORLD_SIZE`` in the environment) it runs as a single rank,
 which still measures top-k but says nothing useful about the network.
@@ -79,7 +97,7 @@ MIN_POINTS = 4
 # a point's timed reps may use at most POINT_SHARE of its part's budget, and at most
 # half of what is left of it, so that there is room to grow further; beyond that its reps
 # drop (down to MIN_REPS)
-POINT_SHARE = 1 / 8
+POINT_SHARE = 1 / 12
 # the last PROBE_CALLS warm-up calls of a point are timed; the fastest of them predicts
 # its reps (one stray slow call must not abandon a point), so expensive points keep this
 # many warm-up calls
@@ -307,10 +325,11 @@ def plan_point(*, index, size, previous, spent_s, budget_s, settings):
 
     Returns a :class:`PointPlan` or a :class:`Stop`. The cost of ``size`` is predicted
     linearly from the previous point (``per_call * size / previous_size``); the part stops
-    growing when even the cheapest measurement of it (one warm-up call and ``min_reps``
-    reps) would exceed what is left of the budget. The first ``min_points`` sizes are
-    always measured. Warm-up shrinks (down to 1) for points whose warm-up would eat more
-    than a quarter of what this point may use.
+    growing when even the cheapest measurement of it (:data:`PROBE_CALLS` warm-up calls
+    and ``min_reps`` reps) would exceed what is left of the budget. The first
+    ``min_points`` sizes are always measured. Warm-up shrinks (down to ``PROBE_CALLS``)
+    for points whose warm-up would use more than a quarter of what the point may use
+    (:func:`point_allowance`).
     """
     if budget_s is None:
         return PointPlan(warmup=settings.warmup)
@@ -348,7 +367,7 @@ def choose_reps(per_call_s, allowance_s, reps, min_reps):
 
 
 def reps_after_probe(*, index, plan, probe_s, spent_s, budget_s, settings):
-    """Timed reps for a point whose last warm-up call took ``probe_s`` (agreed); 0 = abandon.
+    """Timed reps for a point whose warm-up probe took ``probe_s`` (agreed); 0 = abandon.
 
     The probe catches a size that is far more expensive than predicted (a super-linear
     jump): if ``min_reps`` reps of it no longer fit in what is left, the point is
