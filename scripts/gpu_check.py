@@ -1,0 +1,457 @@
+#!/usr/bin/env python
+"""One command for every CUDA check and benchmark of omgs-hook (at most ~8 minutes).
+
+Run it on a machine with a GPU, from the repository root::
+
+    PYTHONPATH=src python3 scripts/gpu_check.py            # writes docs/gpu.md + docs/gpu.json
+
+Sections (each is independent: a failure is recorded and the next section runs):
+
+``env``        torch, CUDA, GPU, CuPy versions.
+``topk``       every top-k backend on the device against the exact reference
+               (``TorchTopkSelector``: ``torch.topk`` with the lower-index tie rule),
+               index for index and value for value, for D = 1e3 .. 1e8 elements in fp32,
+               fp16 and bf16, on random and on tie-heavy (quantised) inputs, and with a
+               NaN/inf planted (the hook's non-finite check relies on it being selected).
+``topk_speed`` CUDA-event medians of ``cupy``, ``torch`` (our exact wrapper) and a raw
+               ``torch.topk(|x|, k)`` at density 0.001 (target: cupy >= 3x raw torch.topk
+               at D >= 1e7).
+``hook``       the hook on CUDA gradients, 2 ranks on GPU 0 over gloo (NCCL refuses two
+               ranks on one GPU): gradients against the independent reference
+               (``tests/reference_omgs.py``), conservation of error feedback, both ranks
+               holding bit-identical averaged gradients, the CUDA-event backward timers
+               against a synchronised wall-clock measurement, and AMP fp16 with a
+               ``GradScaler`` (an injected inf step must be skipped with the residual kept).
+``profile``    ``omgs-profile`` on CUDA tensors (2 ranks, gloo), with a small time budget;
+               the written profile must load.
+``overhead``   ``scripts/bench_hook_overhead.py`` on the device: the hook's own cost per
+               step in copy-equivalents against a no-op hook.
+
+``--device cpu`` runs the same checks on the CPU (the CuPy parts are skipped); the test
+suite does that with ``--quick`` so this script cannot rot between GPU sessions.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from omgs_hook import topk as topk_mod  # noqa: E402
+from omgs_hook.cost_model import selected_k  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ env
+def check_env(device, quick):
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "device": str(device), "cuda_available": torch.cuda.is_available()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda, sm=f"{props.major}.{props.minor}")
+    try:
+        import cupy
+
+        info["cupy"] = cupy.__version__
+    except Exception as exc:  # noqa: BLE001 - reported
+        info["cupy"] = f"not importable ({type(exc).__name__})"
+    info["backends"] = topk_mod.available_backends(device)
+    return {"ok": True, "info": info}
+
+
+# ----------------------------------------------------------------------------- top-k
+def _inputs(kind, numel, dtype, device, seed):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if kind == "random":
+        x = torch.randn(numel, generator=gen)
+    elif kind == "ties":  # few distinct magnitudes: the tie rule decides most of the set
+        x = torch.randint(-8, 9, (numel,), generator=gen).float()
+    else:  # "nonfinite": a random input with one NaN and one inf planted
+        x = torch.randn(numel, generator=gen)
+        x[numel // 3] = float("nan")
+        x[(2 * numel) // 3] = float("inf")
+    return x.to(dtype).to(device)
+
+
+def check_topk(device, quick):
+    sizes = [10**3, 10**4, 10**5] if quick else [10**3, 10**4, 10**5, 10**6, 10**7, 10**8]
+    reference = topk_mod.TorchTopkSelector()
+    names = [n for n in topk_mod.available_backends(device) if n != "torch"]
+    rows, failures = [], []
+    for name in names:
+        selector = topk_mod.get_selector(name, device)
+        for dname, dtype in DTYPES.items():
+            for numel in sizes:
+                kinds = ("random", "ties", "nonfinite") if numel <= 10**7 else ("random",)
+                for kind in kinds:
+                    for density in (0.001, 0.01):
+                        k = selected_k(numel, density)
+                        x = _inputs(kind, numel, dtype, device, seed=numel + k)
+                        rv, ri = reference.select(x, k)
+                        v, i = selector.select(x, k)
+                        same = torch.equal(i.cpu(), ri.cpu()) and torch.equal(
+                            v.cpu().view(torch.int16 if v.element_size() == 2 else torch.int32),
+                            rv.cpu().view(torch.int16 if rv.element_size() == 2 else torch.int32))
+                        flagged = kind != "nonfinite" or not bool(torch.isfinite(v).all())
+                        row = {"backend": name, "dtype": dname, "numel": numel, "kind": kind,
+                               "density": density, "identical": same, "nonfinite_selected": flagged}
+                        rows.append(row)
+                        if not (same and flagged):
+                            failures.append(row)
+                        del x
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"ok": not failures, "checked": len(rows), "failures": failures[:20],
+            "backends": names}
+
+
+def _cuda_time(fn, device, reps):
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def check_topk_speed(device, quick):
+    sizes = [10**5, 10**6] if quick else [10**6, 10**7, 10**8]
+    reps = 3 if quick else 20
+    rows = []
+    for numel in sizes:
+        k = selected_k(numel, 0.001)
+        x = torch.randn(numel, device=device)
+        row = {"numel": numel, "k": k}
+        row["raw_torch_topk_s"] = _cuda_time(lambda: torch.topk(x.abs(), k, sorted=False), device, reps)
+        for name in topk_mod.available_backends(device):
+            selector = topk_mod.get_selector(name, device)
+            selector.select(x, k)  # compile / warm up
+            row[f"{name}_s"] = _cuda_time(lambda: selector.select(x, k), device, reps)
+        if "cupy_s" in row:
+            row["speedup_vs_raw_torch"] = row["raw_torch_topk_s"] / row["cupy_s"]
+        rows.append(row)
+        del x
+    target = [r for r in rows if r["numel"] >= 10**7 and "speedup_vs_raw_torch" in r]
+    ok = all(r["speedup_vs_raw_torch"] >= 3.0 for r in target) if target else None
+    return {"ok": ok, "rows": rows, "target": "cupy >= 3x raw torch.topk at D >= 1e7"}
+
+
+# ------------------------------------------------------------------------------ hook
+def _hook_worker(rank, world_size, port, device_name, steps, out_dir):
+    """2 ranks, one device: reference check, rank agreement, timers, AMP fp16."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import omgs_hook
+    from reference_omgs import reference_step
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    result = {}
+    try:
+        def gather(obj):
+            out = [None] * world_size
+            dist.all_gather_object(out, obj)
+            return out
+
+        def make_net():
+            return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                       torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                       torch.nn.Linear(512, 10)).to(device)
+
+        def model_and_hook(extra=None):
+            torch.manual_seed(0)
+            model = make_net()
+            ddp = DDP(model, bucket_cap_mb=0,
+                      device_ids=[device.index] if device.type == "cuda" else None)
+            options = {"density": 0.01, "strategy": "layerwise", "allow_dense": False,
+                       "warmup_steps": 1, "log_every": 0}
+            import inspect
+
+            if "select" in inspect.signature(omgs_hook.OMGSState).parameters:
+                options["select"] = "model"
+            options.update(extra or {})
+            return model, ddp, omgs_hook.register(ddp, **options)
+
+        # 1. gradients against the reference, conservation, rank agreement, timers
+        model, ddp, state = model_and_hook()
+        worst = {"grad": 0.0, "residual": 0.0, "conservation": 0.0, "rank_disagreement": 0.0}
+        timer_pairs = []
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(32, 256, generator=gen).to(device)
+            y = torch.randint(0, 10, (32,), generator=gen).to(device)
+            model.zero_grad()
+            ref_model = make_net()  # same weights, no hook
+            ref_model.load_state_dict(model.state_dict())
+            torch.nn.functional.cross_entropy(ref_model(x), y).backward()
+            names = [n for n, _ in model.named_parameters()]
+            local = {n: p.grad.reshape(-1).float().cpu() for n, p in zip(names, ref_model.parameters())}
+            old = {k: v.reshape(-1).cpu() for k, v in state.memory.state_dict().items()}
+            all_local, all_old = gather(local), gather(old)
+            _sync(device)
+            t0 = time.perf_counter()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            _sync(device)
+            wall = time.perf_counter() - t0
+            last = state.stats()["last"]
+            groups = list(zip(last["group_keys"], last["group_dense"]))
+            avg, new_res = reference_step(all_local, all_old, groups, last["step_density"])
+            got = {k: v.reshape(-1).cpu() for k, v in state.memory.state_dict().items()}
+            grads = {n: p.grad.reshape(-1).float().cpu() for n, p in model.named_parameters()}
+            all_grads, all_new = gather(grads), gather(got)
+            for n in names:
+                worst["grad"] = max(worst["grad"], float((grads[n] - avg[n].float()).abs().max()))
+                mine = got.get(n, torch.zeros_like(grads[n]))
+                worst["residual"] = max(worst["residual"],
+                                        float((mine - new_res[rank][n].float()).abs().max()))
+                lhs = sum(all_local[r][n] + all_old[r].get(n, 0.0) for r in range(world_size))
+                rhs = world_size * grads[n] + sum(all_new[r].get(n, torch.zeros_like(lhs))
+                                                  for r in range(world_size))
+                worst["conservation"] = max(worst["conservation"], float((lhs - rhs).abs().max()))
+                if not torch.equal(all_grads[0][n], all_grads[1][n]):
+                    worst["rank_disagreement"] = max(
+                        worst["rank_disagreement"],
+                        float((all_grads[0][n] - all_grads[1][n]).abs().max()))
+            if step >= 3:
+                timed = state.stats()["backward_s_per_unit"]
+                timer_pairs.append((sum(timed) if timed else None, wall))
+        result["reference"] = worst
+        # the hook's per-bucket backward timers (CUDA events on CUDA) against backward
+        # alone, synchronised, without communication (inside no_sync)
+        plain = []
+        for step in range(5):
+            x = torch.randn(32, 256).to(device)
+            y = torch.randint(0, 10, (32,)).to(device)
+            with ddp.no_sync():
+                loss = torch.nn.functional.cross_entropy(ddp(x), y)
+                _sync(device)
+                t0 = time.perf_counter()
+                loss.backward()
+                _sync(device)
+                plain.append(time.perf_counter() - t0)
+        timed = [a for a, _ in timer_pairs if a is not None]
+        result["timers"] = {
+            "hook_timed_backward_s_median": statistics.median(timed) if timed else None,
+            "synchronised_backward_s_median": statistics.median(plain),
+            "synchronised_step_with_hook_s_median": statistics.median(b for _, b in timer_pairs)
+            if timer_pairs else None,
+        }
+        state.close()
+        del ddp, state, model
+        gc.collect()
+
+        # 2. AMP fp16 with a GradScaler; step 4 gets an inf: skipped, residual kept
+        model, ddp, state = model_and_hook()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        amp = device.type == "cuda"
+        scaler = torch.amp.GradScaler("cuda", enabled=amp)
+        nonfinite_steps, kept = [], True
+        for step in range(8):
+            gen = torch.Generator().manual_seed(7 * step + rank)
+            x = torch.randn(32, 256, generator=gen).to(device)
+            y = torch.randint(0, 10, (32,), generator=gen).to(device)
+            if step == 4 and rank == 0:
+                x[0, 0] = float("inf")
+            opt.zero_grad()
+            before = {k: v.clone() for k, v in state.memory.state_dict().items()}
+            with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+                loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            scale_before = scaler.get_scale() if amp else 1.0
+            scaler.scale(loss).backward()
+            nonfinite = state.stats()["last"]["nonfinite"]
+            if amp or not nonfinite:  # (without AMP nothing would skip the NaN step)
+                scaler.step(opt)
+                scaler.update()
+            if nonfinite:
+                nonfinite_steps.append(step)
+                after = state.memory.state_dict()
+                kept = kept and all(torch.equal(before[k], after[k]) for k in before)
+                if amp:
+                    kept = kept and scaler.get_scale() < scale_before
+        result["amp"] = {"enabled": amp, "nonfinite_steps": nonfinite_steps, "residual_kept": kept}
+        state.close()
+        del ddp, state, model
+        gc.collect()
+    except Exception:  # noqa: BLE001 - reported
+        result["error"] = traceback.format_exc()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def check_hook(device, quick):
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_hook_worker, args=(2, _free_port(), str(device), 6 if quick else 12, tmp),
+                           nprocs=2, join=True, start_method="spawn")
+        results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        return {"ok": False, "error": errors[0][-3000:]}
+    worst = {k: max(r["reference"][k] for r in results) for k in results[0]["reference"]}
+    amp = [r["amp"] for r in results]
+    ok = (worst["grad"] < 1e-5 and worst["residual"] < 1e-5 and worst["conservation"] < 1e-4
+          and worst["rank_disagreement"] == 0.0
+          and all(4 in a["nonfinite_steps"] and a["residual_kept"] for a in amp))
+    return {"ok": ok, "reference_worst": worst, "timers": results[0]["timers"], "amp": amp}
+
+
+# --------------------------------------------------------------------------- profile
+def check_profile(device, quick):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "profile.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               os.path.join(ROOT, "scripts", "profile.py"), "--out", out, "--backend", "gloo",
+               "--device", device.type, "--no-plot", "--no-progress"]
+        cmd += ["--quick"] if quick else ["--time-budget", "60"]
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), OMP_NUM_THREADS="1")
+        started = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        wall = time.perf_counter() - started
+        if proc.returncode != 0:
+            return {"ok": False, "wall_s": wall, "error": (proc.stdout + proc.stderr)[-3000:]}
+        from omgs_hook.profile_file import load_profile
+
+        profile = load_profile(out)
+        with open(out) as f:
+            raw = json.load(f)
+    return {"ok": True, "wall_s": wall, "comm": profile.comm.to_dict(),
+            "dense": profile.dense.to_dict() if profile.dense else None,
+            "topk_backends": sorted(raw.get("topk_all", {}) or {}), "device": raw.get("device")}
+
+
+# -------------------------------------------------------------------------- overhead
+def check_overhead(device, quick):
+    import bench_hook_overhead
+
+    sizes = [10**5] if quick else [10**6, 12 * 10**6, 50 * 10**6]
+    results = bench_hook_overhead.measure(sizes, rounds=2 if quick else 5,
+                                          steps=2 if quick else 4, device=device.type)
+    slim = [{k: v for k, v in r.items() if not k.endswith("steps_s")} for r in results]
+    return {"ok": True, "rows": slim, "target": "<= 5 copy-equivalents per sparse group"}
+
+
+SECTIONS = {"env": check_env, "topk": check_topk, "topk_speed": check_topk_speed,
+            "hook": check_hook, "profile": check_profile, "overhead": check_overhead}
+
+
+# ---------------------------------------------------------------------------- report
+def render_markdown(report):
+    lines = ["# GPU check (`scripts/gpu_check.py`)", "",
+             f"Run {report['started']} on {report['sections']['env'].get('info', {}).get('gpu', report['device'])}, "
+             f"{report['wall_s']:.0f} s in all. Generated by the script; re-run to refresh.", ""]
+    for name, result in report["sections"].items():
+        status = {True: "passed", False: "FAILED", None: "no verdict"}[result.get("ok")]
+        lines += [f"## {name}: {status}", ""]
+        body = {k: v for k, v in result.items() if k != "ok"}
+        if name == "topk_speed" and "rows" in result:
+            lines += ["| D | k | raw torch.topk (ms) | " + " | ".join(
+                f"{b} (ms)" for b in ("torch", "sampled", "cupy")) + " | cupy speed-up |",
+                "|---|---|---|---|---|---|---|"]
+            for r in result["rows"]:
+                cells = [f"{r.get(b + '_s', float('nan')) * 1e3:.3f}" for b in ("torch", "sampled", "cupy")]
+                lines.append(f"| {r['numel']:.0e} | {r['k']} | {r['raw_torch_topk_s'] * 1e3:.3f} | "
+                             + " | ".join(cells) + f" | {r.get('speedup_vs_raw_torch', float('nan')):.2f}x |")
+            lines.append("")
+        elif name == "overhead" and "rows" in result:
+            lines += ["| elements | copy (ms) | no-op step (ms) | OMGS step (ms) | copies |",
+                      "|---|---|---|---|---|"]
+            for r in result["rows"]:
+                lines.append(f"| {r['numel']:.0e} | {r['copy_s'] * 1e3:.3f} | {r['noop_step_s'] * 1e3:.2f} "
+                             f"| {r['omgs_step_s'] * 1e3:.2f} | {r['overhead_copies']:.2f} |")
+            lines.append("")
+        lines += ["```", json.dumps(body, indent=1, default=str)[:4000], "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="comma-separated subset of: " + ", ".join(SECTIONS))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "gpu.md"))
+    parser.add_argument("--json", default=os.path.join(ROOT, "docs", "gpu.json"))
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (use --device cpu for a dry run)")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in SECTIONS]
+    if unknown:
+        parser.error(f"--sections: unknown {unknown}; choose from {list(SECTIONS)}")
+    if "env" not in wanted:
+        wanted.insert(0, "env")
+    report = {"started": datetime.datetime.now().isoformat(timespec="seconds"),
+              "device": str(device), "quick": args.quick, "sections": {}}
+    started = time.perf_counter()
+    for name in wanted:
+        t0 = time.perf_counter()
+        try:
+            result = SECTIONS[name](device, args.quick)
+        except Exception:  # noqa: BLE001 - recorded, next section runs
+            result = {"ok": False, "error": traceback.format_exc()[-3000:]}
+        result["section_s"] = round(time.perf_counter() - t0, 1)
+        report["sections"][name] = result
+        print(f"[gpu_check] {name}: ok={result.get('ok')} ({result['section_s']} s)", flush=True)
+    report["wall_s"] = time.perf_counter() - started
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(args.doc, "w") as f:
+        f.write(render_markdown(report))
+    failed = [n for n, r in report["sections"].items() if r.get("ok") is False]
+    print(f"[gpu_check] wrote {args.doc} and {args.json}; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

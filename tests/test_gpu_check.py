@@ -1,0 +1,49 @@
+"""scripts/gpu_check.py - the one command for CUDA checks - runs its checks on the CPU
+too, so it cannot rot between sessions that have a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_cpu_dry_run_passes_and_writes_the_report(tmp_path):
+    doc, out = tmp_path / "gpu.md", tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick",
+         "--sections", "topk,topk_speed,hook", "--doc", str(doc), "--json", str(out)],
+        capture_output=True, text=True, timeout=280, cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    sections = report["sections"]
+    assert sections["topk"]["ok"] is True and sections["topk"]["checked"] > 50
+    hook = sections["hook"]
+    assert hook["ok"] is True, hook
+    assert hook["reference_worst"]["rank_disagreement"] == 0.0
+    assert all(4 in a["nonfinite_steps"] and a["residual_kept"] for a in hook["amp"])
+    text = doc.read_text()
+    assert "## hook: passed" in text and "## topk_speed" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--doc", str(tmp_path / "x.md"),
+                           "--json", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr
+
+
+def test_unknown_section_is_named(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sections", "nope"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "nope" in proc.stderr
