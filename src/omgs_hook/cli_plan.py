@@ -3,6 +3,7 @@
 Usage::
 
     omgs-plan [FILE | -] [--strategy optimal|greedy|layerwise|single|threshold:BYTES]
+              [--plot TIMELINE.png]
 
 Reads one instance (a JSON object) or a JSON list of instances from ``FILE`` (standard
 input when ``FILE`` is ``-`` or missing) and prints, as JSON, one plan per instance (a
@@ -11,7 +12,10 @@ list for a list)::
     {"strategy": "optimal", "groups": [[0, 1], [2]], "predicted_iteration_s": 0.0123,
      "non_overlapped_s": 0.0011}
 
-plus ``"dense": [false, true]`` when the instance has a ``dense`` cost. The instance
+plus ``"dense": [false, true]`` when the instance has a ``dense`` cost. ``--plot FILE``
+(one instance only) also draws the plan's timeline - backward per unit, selection per
+group, the collectives - as a Gantt chart (:mod:`omgs_hook.timeline_plot`, needs
+matplotlib). The instance
 format is that of :meth:`omgs_hook.cost_model.Instance.from_dict` (see
 ``docs/cost-model.md``).
 
@@ -21,7 +25,7 @@ unknown strategy) print one line on standard error naming the problem - e.g.
 - and exit with status 2.
 
 The command never imports torch (nor does anything it imports), so it starts in a
-fraction of a second.
+fraction of a second; matplotlib is imported only for ``--plot``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import json
 import sys
 import warnings
 
-from omgs_hook.cost_model import Instance, InstanceError
+from omgs_hook.cost_model import Instance, InstanceError, schedule
 from omgs_hook.planner import STRATEGIES, SearchBudgetWarning, make_plan, parse_strategy
 
 PROG = "omgs-plan"
@@ -71,6 +75,12 @@ def _build_parser() -> argparse.ArgumentParser:
         default=0,
         help="indent the JSON output by this many spaces (default: 0, one line)",
     )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw the plan's timeline to FILE (.png/.svg/.pdf; one instance only)",
+    )
     return parser
 
 
@@ -109,7 +119,7 @@ def _plan_one(data, strategy: str, where: str) -> dict:
     except InstanceError as error:
         raise _UsageError(f"{where}{error}") from None
     plan = make_plan(inst, strategy)
-    return plan.to_dict(include_dense=inst.dense is not None)
+    return inst, plan
 
 
 def run(args: argparse.Namespace) -> object:
@@ -121,8 +131,29 @@ def run(args: argparse.Namespace) -> object:
     source = "<stdin>" if args.file == "-" else args.file
     data = _parse_json(_read(args.file), source)
     if isinstance(data, list):
-        return [_plan_one(item, strategy, f"[{i}].") for i, item in enumerate(data)]
-    return _plan_one(data, strategy, "")
+        if args.plot:
+            raise _UsageError("--plot draws one instance; the input is a list")
+        planned = [_plan_one(item, strategy, f"[{i}].") for i, item in enumerate(data)]
+    else:
+        planned = [_plan_one(data, strategy, "")]
+    if args.plot:
+        _plot(*planned[0], args.plot)
+    results = [plan.to_dict(include_dense=inst.dense is not None) for inst, plan in planned]
+    return results if isinstance(data, list) else results[0]
+
+
+def _plot(inst, plan, path):
+    try:
+        from omgs_hook.timeline_plot import plot_timelines
+    except ImportError as error:  # pragma: no cover - matplotlib is in the scripts extra
+        raise _UsageError(f"--plot needs matplotlib ({error})") from None
+    try:
+        plot_timelines([(f"{plan.strategy} plan (predicted)",
+                         schedule(inst, plan.groups, plan.dense))], path)
+    except ImportError as error:
+        raise _UsageError(f"--plot needs matplotlib: pip install matplotlib ({error})") from None
+    except (OSError, ValueError) as error:
+        raise _UsageError(f"--plot {path}: {error}") from None
 
 
 def main(argv=None) -> int:

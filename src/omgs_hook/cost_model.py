@@ -69,6 +69,8 @@ __all__ = [
     "Timeline",
     "selected_k",
     "simulate",
+    "Schedule",
+    "schedule",
     "check_groups",
     "check_dense",
 ]
@@ -490,3 +492,54 @@ def simulate(inst: Instance, groups, dense=None) -> Timeline:
         compute_end_s=compute,
         comm_end_s=network,
     )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every interval of one plan's timeline (seconds from the start of the forward pass).
+
+    ``backward``: per unit ``(start, end)``; ``selection``: per group ``(start, end)`` of
+    its top-k and the hook's own work on the compute stream (empty for a dense group);
+    ``network``: per group ``(start, end)`` of its collective; ``dense``: per group flag;
+    ``forward`` and ``tail``: ``(start, end)``. The ends agree with :func:`simulate`
+    (``tail[1] == predicted_iteration_s``). Used to draw the timeline.
+    """
+
+    forward: Tuple[float, float]
+    backward: Tuple[Tuple[float, float], ...]
+    selection: Tuple[Tuple[float, float], ...]
+    network: Tuple[Tuple[float, float], ...]
+    groups: Tuple[Tuple[int, ...], ...]
+    dense: Tuple[bool, ...]
+    tail: Tuple[float, float]
+
+
+def schedule(inst: Instance, groups, dense=None) -> Schedule:
+    """The intervals behind :func:`simulate`'s recurrence, for plotting a plan."""
+    groups = check_groups(groups, inst.num_units)
+    flags = check_dense(dense, inst, len(groups))
+    origin = inst.forward_s
+    compute = network = 0.0
+    backward, selection, comm = [], [], []
+    for group, is_dense in zip(groups, flags):
+        numel = 0
+        for u in group:
+            numel += inst.layers[u].numel
+            end = compute + inst.layers[u].backward_s
+            backward.append((origin + compute, origin + end))
+            compute = end
+        if is_dense:
+            selection.append((origin + compute, origin + compute))
+            duration = inst.dense_comm_time(numel)
+        else:
+            end = compute + inst.topk_time(numel)
+            selection.append((origin + compute, origin + end))
+            compute = end
+            duration = inst.sparse_comm_time(numel)
+        start = max(network, compute)
+        network = start + duration
+        comm.append((origin + start, origin + network))
+    end = origin + network
+    return Schedule(forward=(0.0, origin), backward=tuple(backward), selection=tuple(selection),
+                    network=tuple(comm), groups=groups, dense=tuple(flags),
+                    tail=(end, end + inst.tail_s))
