@@ -247,7 +247,8 @@ def test_time_budget_applies_to_the_adaptive_sweep_or_when_asked(argv, budget, a
 
 def test_quick_and_explicit_sweeps_keep_their_sizes_and_reps():
     quick = _settings("--quick")
-    assert quick.sizes == profile_run.QUICK_SIZES and quick.topk_sizes == profile_run.QUICK_TOPK_SIZES
+    assert quick.sizes == profile_run.QUICK_SIZES
+    assert quick.topk_sizes == profile_run.QUICK_TOPK_SIZES
     assert (quick.reps, quick.warmup) == (profile_run.QUICK_REPS, profile_run.QUICK_WARMUP)
     explicit = _settings("--sizes", "1K,20000", "--reps", "3")
     assert explicit.sizes == (1024, 20000) and explicit.reps == 3 and explicit.min_reps == 3
@@ -432,7 +433,8 @@ def test_run_sweep_shares_the_budget_and_rolls_over_what_a_part_leaves():
              ("topk:torch", 0.5, tuple(profile_run.geometric_sizes(1000, 2**20)), dear)]
     _rows, records, spent = profile_run.run_sweep(parts, 10.0, SETTINGS)
     assert records["all_gather"]["budget_s"] == 5.0 and records["all_gather"]["complete"]
-    assert records["topk:torch"]["budget_s"] == pytest.approx(10.0 - records["all_gather"]["spent_s"])
+    left = 10.0 - records["all_gather"]["spent_s"]
+    assert records["topk:torch"]["budget_s"] == pytest.approx(left)
     assert not records["topk:torch"]["complete"]
     assert spent == pytest.approx(cheap.clock + dear.clock) and spent <= 10.0
 
@@ -452,7 +454,8 @@ class SimulatedCluster:
     """
 
     def __init__(self, truth, seed, ranks=4, sigma=0.15, outlier_p=0.03, cold_x=4.0):
-        self.truth, self.rng, self.ranks, self.sigma = truth, np.random.default_rng(seed), ranks, sigma
+        self.truth, self.ranks, self.sigma = truth, ranks, sigma
+        self.rng = np.random.default_rng(seed)
         self.outlier_p, self.cold_x, self.clock = outlier_p, cold_x, 0.0
 
     def _call(self, size, cold):
@@ -595,7 +598,7 @@ def test_two_rank_profile_with_a_small_budget_stops_growing_and_says_why(tmp_pat
     record = sweep["sections"]["all_gather"]
     assert len(record["measured"]) < len(record["planned"])
     assert record["measured"][-1] < 8 * 2**20
-    assert sweep["notes"] and any(n.startswith("all_gather: the time budget cut") for n in sweep["notes"])
+    assert any(n.startswith("all_gather: the time budget cut") for n in sweep["notes"])
     # rank 0 prints it, once
     assert result.stdout.count("WARNING all_gather: the time budget cut the sweep short") == 1
     assert "extrapolates beyond the largest measured size" in result.stdout
