@@ -393,6 +393,19 @@ def test_run_section_stops_growing_within_its_budget_and_records_why():
     assert "extrapolates beyond the largest measured size" in note
 
 
+def test_a_part_over_its_budget_says_so():
+    # a budget too small even for the first points: they are measured anyway, and noted
+    sizes = [1000, 2000, 4000, 8000, 16000, 32000]
+    rows, record = profile_run.run_section("topk:x", sizes, ScriptedSource(lambda d: 0.05),
+                                           0.5, SETTINGS)
+    assert len(rows) == SETTINGS.min_points and record["over_budget"]
+    notes = profile_run.truncation_notes({"topk:x": record})
+    assert len(notes) == 2 and "over its 0.5 s budget" in notes[1]
+    _rows, empty = profile_run.run_section("topk:y", sizes, ScriptedSource(lambda d: 0.01),
+                                           0.0, SETTINGS)
+    assert "with none of the budget left" in profile_run.truncation_notes({"topk:y": empty})[1]
+
+
 def test_run_section_completes_when_everything_fits():
     sizes = [1000, 2000, 4000, 8000, 16000]
     source = ScriptedSource(lambda d: 1e-5)

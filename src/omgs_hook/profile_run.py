@@ -481,9 +481,12 @@ def truncation_notes(records):
             f"{_size_text(name, measured[-1]) if measured else 'none'}")
     for name, record in records.items():
         if record["over_budget"]:
-            notes.append(f"{name}: took {record['spent_s']:.3g} s, over its "
-                         f"{record['budget_s']:.3g} s budget (the first {MIN_POINTS} sizes are "
-                         f"always measured, and a point's cost is only known once measured)")
+            budget = record["budget_s"]
+            over = (f"{record['spent_s'] / budget - 1:.0%} over its {budget:.3g} s budget"
+                    if budget > 0 else "with none of the budget left for it")
+            notes.append(f"{name}: took {record['spent_s']:.3g} s, {over} (a point's cost is "
+                         f"known only once it is measured, and the first {MIN_POINTS} sizes "
+                         f"are measured whatever the budget)")
     return notes
 
 
