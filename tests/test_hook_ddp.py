@@ -215,7 +215,7 @@ def straggler_worker(rank, world_size, delay_s):
         model.register_forward_hook(lambda module, args, out: time.sleep(delay_s))
     ddp = DDP(model, bucket_cap_mb=0)
     state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=3, strategy="optimal",
-                               allow_dense=False)
+                               allow_dense=False, select="model")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     train_steps(ddp, opt, 0, 10, rank)
     own_forward = state.meter.forward_s()
@@ -313,7 +313,9 @@ REFERENCE_CASES = {
     "density-warm-up": ({"strategy": "layerwise", "warmup_steps": 1, "density_warmup_steps": 4,
                          "density_warmup_start": 0.5, "allow_dense": False}, {}),
     "optimal-replanning": ({"strategy": "optimal", "warmup_steps": 2, "replan_every": 2,
-                            "refit_online": True}, {}),
+                            "refit_online": True, "select": "model"}, {}),
+    # measured selection (the default): the trial switches plans between steps
+    "optimal-measured": ({"strategy": "optimal", "warmup_steps": 1}, {}),
 }
 
 
@@ -356,7 +358,14 @@ def test_gradients_match_reference_and_conserve(case):
         # sparse from step 1: 0.5 ramping down to DENSITY over steps 1-4, then DENSITY
         selected = [s["selected"] for s in steps[1:]]
         assert selected[0] > selected[1] > selected[2] > selected[3] > selected[4], selected
-        assert selected[4] == selected[5], selected
+        # then DENSITY: k = ceil(DENSITY * numel) per group (the plan decides how many)
+        floor = -(-sum(p.numel() for p in Net().parameters()) * DENSITY // 1)
+        assert all(floor <= s <= floor + 6 for s in selected[4:]), selected
+    if case == "optimal-measured":
+        history = stats["plan_history"]
+        # planned at the end of step 1 (the warm-up), in use from step 3 on every rank
+        assert history[0]["reason"] == "trial" and history[0]["step"] == 3, history
+        assert history == results[1]["stats"]["plan_history"]
     if case == "optimal-replanning":
         assert results[0]["replans"] >= 2
         # every rank plans with the same (rank-averaged) collective cost
@@ -398,7 +407,7 @@ def test_four_ranks_match_reference():
 def test_resume_is_bit_identical(tmp_path, strategy):
     results = run_ranks("test_hook_ddp", "resume_worker", world_size=2,
                         hook_options={"strategy": strategy, "warmup_steps": 2, "replan_every": 1000,
-                                      "allow_dense": False},
+                                      "allow_dense": False, "select": "model"},
                         ckpt_dir=str(tmp_path), first=8, second=4)
     for r in results:
         assert r["residual_norm_loaded"] > 0  # the checkpoint really carried error feedback

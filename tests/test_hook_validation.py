@@ -34,11 +34,51 @@ from ddp_harness import run_ranks
         ({"strategy": "threshold:abc"}, "strategy"),
         ({"nonfinite": "ignore"}, "nonfinite"),
         ({"on_world_size_change": "rescale"}, "on_world_size_change"),
+        ({"select": "fastest"}, "select"),
+        ({"select": None}, "select"),
+        ({"plan": 3}, "plan"),
+        ({"plan": {"groups": []}}, "plan"),
+        ({"plan": {"groups": [[0, 1], [3]]}}, "plan"),  # not contiguous
+        ({"plan": {"groups": [[0], [1]], "dense": [True]}}, "plan"),
+        ({"plan": {"groups": [[0], [1]], "dense": ["yes", "no"]}}, "plan"),
+        ({"plan": {"groups": [["a.weight", 1]]}}, "plan"),
+        ({"plan": {"groups": [["a.weight"], ["a.weight"]]}}, "plan"),
+        ({"plan": [{"groups": [[0]]}, {"groups": [[0]]}]}, "plan"),
+        ({"plan": {"plan": None, "format_version": 1}}, "plan"),
+        ({"plan": "/nonexistent/plan.json"}, "plan"),
     ],
 )
 def test_bad_options_name_the_problem(options, message):
     with pytest.raises(ValueError, match=message):
         OMGSState(**options)
+
+
+def test_pinned_plan_forms_are_accepted_and_checked_against_the_model(tmp_path):
+    from omgs_hook.group_plan import GroupPlan
+
+    module = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    names = [n for n, _ in module.named_parameters()]
+    keys = {"groups": [names[:2], names[2:]], "dense": [False, True]}
+    state = OMGSState(module=module, plan=keys)
+    assert state._pinned[0] == "keys" and state._pinned[1].dense == (False, True)
+    # a state_dict()-like or stats()-like wrapper, a GroupPlan, a JSON file
+    assert OMGSState(module=module, plan={"plan": keys, "format_version": 1})._pinned == state._pinned
+    plan = GroupPlan(groups=(tuple(names),), dense=(False,), layout=(tuple(names),),
+                     strategy="optimal", predicted_iteration_s=0.1, made_at_step=7)
+    assert OMGSState(module=module, plan=plan)._pinned[1].made_at_step == 0
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps([{"strategy": "optimal", "groups": [[0, 1], [2]],
+                                 "predicted_iteration_s": 0.01, "non_overlapped_s": 0.0}]))
+    units = OMGSState(module=module, plan=str(path))._pinned
+    assert units[0] == "units" and units[1] == ((0, 1), (2,)) and units[2] == (False, False)
+    with pytest.raises(ValueError, match="plan: .*not in the model: \\['b'\\]"):
+        OMGSState(module=module, plan={"groups": [names, ["b"]]})
+    with pytest.raises(ValueError, match="plan: .*not in the plan"):
+        OMGSState(module=module, plan={"groups": [names[:3]]})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(ValueError, match="plan: cannot read"):
+        OMGSState(plan=bad)
 
 
 def test_density_warm_up_schedule():

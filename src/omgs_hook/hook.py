@@ -35,13 +35,24 @@ sparse group costs the hook), every ``replan_every`` steps, and when DDP's bucke
 changed for good. All ranks derive the plan from the same all-gathered numbers and
 compare a checksum; a mismatch raises.
 
+Measured selection (``select="measured"``, the default): the model's plan is only a
+proposal. After it the hook runs a bounded *trial* (:mod:`omgs_hook.plan_selection`): a
+few candidate plans, each for a few ordinary training steps on a schedule fixed by step
+number, timed by the interval between successive arrivals of bucket 0; the slowest
+rank's times, all-gathered, decide. The winner is kept until the model's inputs change.
+``select="model"`` is the plain model plan (with ``allow_dense=False``: the paper's
+algorithm). ``plan=`` pins a plan: no re-planning, no trial.
+
 Collectives are issued only from the hook itself (the autograd thread), in plan order,
 identically on every rank. Future callbacks do local work only: a collective or wait
 inside a callback deadlocks gloo.
 """
 
+import dataclasses
+import json
 import logging
 import math
+import os
 import time
 import warnings
 
@@ -49,9 +60,11 @@ import torch
 import torch.distributed as dist
 
 from . import communicator
+from . import plan_selection
 from . import planner as planner_mod
 from . import topk as topk_mod
-from .cost_model import Instance, LinearCost, TopkCost, Unit
+from .cost_model import Instance, InstanceError, LinearCost, TopkCost, Unit, check_groups
+from .background_planner import BackgroundPlanner
 from .group_exchange import StepExchange
 from .group_plan import GroupPlan
 from .measurements import BackwardMeter, GroupOverheadMeter, slowest_rank_timeline
@@ -62,6 +75,12 @@ logger = logging.getLogger("omgs_hook")
 
 STATE_FORMAT_VERSION = 1
 NONFINITE_POLICIES = ("skip", "raise")
+SELECT_MODES = ("measured", "model")
+# plan_history keeps the newest this many entries
+PLAN_HISTORY_LIMIT = 1000
+# a re-plan's inputs are gathered at the end of step s; the plan, computed on a worker
+# thread meanwhile, is put in use at the start of step s + PLAN_LAG on every rank
+PLAN_LAG = 2
 WORLD_SIZE_POLICIES = ("error", "reset")
 # A bucket layout that differs from the plan's must persist this many steps before it
 # forces a re-plan: DDP's one-bucket iterations after a (re)start are transient.
@@ -82,6 +101,113 @@ def _check_int(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _parse_pinned_plan(plan):
+    """``plan=`` -> None, ``("keys", GroupPlan)`` or ``("units", groups, dense)``.
+
+    Raises ValueError naming ``plan`` for anything it cannot use."""
+    if plan is None:
+        return None
+    if isinstance(plan, GroupPlan):
+        return ("keys", dataclasses.replace(plan, made_at_step=0))
+    if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
+        path = os.fsdecode(plan)
+        try:
+            with open(path, encoding="utf-8") as f:
+                plan = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"plan: cannot read a plan from {path!r}: {exc}") from None
+    if isinstance(plan, list):
+        if len(plan) != 1:
+            raise ValueError(f"plan: a list of {len(plan)} plans; pass one")
+        plan = plan[0]
+    if not isinstance(plan, dict):
+        raise ValueError(f"plan must be a dict, a GroupPlan, a JSON path or None, got "
+                         f"{type(plan).__name__}")
+    if "plan" in plan and "groups" not in plan:  # a state_dict() or a stats() result
+        plan = plan["plan"]
+        if not isinstance(plan, dict):
+            raise ValueError("plan: the saved state holds no plan")
+    groups = plan.get("group_keys", plan.get("groups"))
+    if not isinstance(groups, list) or not groups or not all(
+            isinstance(g, list) and g for g in groups):
+        raise ValueError("plan: 'groups' must be a non-empty list of non-empty lists")
+    dense = plan.get("dense")
+    if dense is None:
+        dense = [False] * len(groups)
+    if not isinstance(dense, list) or len(dense) != len(groups) or not all(
+            isinstance(d, bool) for d in dense):
+        raise ValueError(f"plan: 'dense' must be a list of {len(groups)} booleans")
+    flat = [x for g in groups for x in g]
+    predicted = plan.get("predicted_iteration_s")
+    predicted = float(predicted) if isinstance(predicted, (int, float)) else 0.0
+    if all(isinstance(x, str) for x in flat):
+        if len(set(flat)) != len(flat):
+            raise ValueError("plan: a parameter appears in more than one group")
+        layout = plan.get("layout") or groups
+        try:
+            layout = tuple(tuple(str(k) for k in b) for b in layout)
+        except TypeError:
+            raise ValueError("plan: 'layout' must be a list of lists of parameter names") from None
+        return ("keys", GroupPlan(groups=tuple(tuple(g) for g in groups), dense=tuple(dense),
+                                  layout=layout, strategy="pinned",
+                                  predicted_iteration_s=predicted, made_at_step=0))
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
+        try:
+            units = check_groups(groups, len(flat))
+        except InstanceError as exc:
+            raise ValueError(f"plan: {exc}") from None
+        return ("units", units, tuple(dense), predicted)
+    raise ValueError("plan: groups must hold parameter names or bucket indices, not a mix")
+
+
+def _compute_plan(job, strategy, select):
+    """The planning of one re-plan, on the background planner's thread (pure: no torch,
+    no collective). ``job``: what :meth:`OMGSState._replan` gathered. Returns
+    ``{"candidates": [...] or None, "plan": Candidate or None (None: keep the plan in
+    use), "reason": ..., "model_key": ...}``."""
+    inst = Instance.from_dict(job["instance"])
+    unit_plan = planner_mod.make_plan(inst, strategy)
+    model_key = (tuple(map(tuple, unit_plan.groups)), tuple(bool(d) for d in unit_plan.dense))
+    out = {"candidates": None, "plan": None, "reason": "model", "model_key": model_key}
+    if select == "model":
+        out["plan"] = plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan)
+        return out
+    kept = job["kept"]
+    if kept is None:  # a full trial: the first plan, a new layout
+        candidates = plan_selection.model_candidates(inst, strategy, unit_plan)
+        if len(candidates) > 1:
+            out["candidates"] = candidates
+        else:
+            out["plan"] = candidates[0]
+        return out
+    out["reason"] = "kept"
+    previous = job["model_key"]
+    if model_key == (tuple(map(tuple, previous[0])), tuple(previous[1])):
+        return out  # the model's inputs led to the plan the last trial started from
+    groups = tuple(tuple(g) for g in kept["groups"])
+    dense = tuple(kept["dense"]) if inst.dense is not None else (False,) * len(groups)
+    candidates = plan_selection.dedupe([
+        plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan),
+        plan_selection.Candidate.from_plan(f"kept:{kept['name']}",
+                                           planner_mod.evaluate(inst, groups, dense)),
+    ])
+    if len(candidates) > 1 and job["retrial_ok"]:
+        out["candidates"] = candidates
+    return out  # over the trial budget, or nothing new: the measured winner stays
+
+
+def _check_plan_keys(plan, shapes):
+    """A pinned plan of parameter names must cover exactly the trained parameters."""
+    planned = {k for g in plan.groups for k in g}
+    missing = sorted(set(shapes) - planned)
+    unknown = sorted(planned - set(shapes))
+    if missing or unknown:
+        raise ValueError(
+            f"plan: the pinned plan does not match the model's parameters (not in the plan: "
+            f"{missing[:5]}, not in the model: {unknown[:5]})"
+        )
 
 
 class OMGSState:
@@ -115,6 +241,38 @@ class OMGSState:
             sampled-threshold selector), ``"torch"``, ``"sampled"`` or ``"cupy"``.
         allow_dense (bool): let the planner send a group as a dense all-reduce where the
             cost model says that is cheaper. Default True.
+        select (str): how the plan in use is chosen. ``"measured"`` (default): after each
+            model-based plan, a bounded trial times a few candidate plans for real (the
+            model's choice, the optimum without dense groups, all-dense (DDP's own
+            all-reduce per bucket, with ``allow_dense``), ``single``, ``layerwise``,
+            ``greedy``, the model's best plans one group fewer and one more; duplicates
+            and plans the model predicts over 1.5x its best are left out) and keeps the
+            fastest by the slowest rank's step time. ``"model"``: the cost model's plan
+            as is (with ``allow_dense=False`` this is the OMGS paper's algorithm,
+            unchanged). Only ``strategy="optimal"`` has a full candidate set; another
+            strategy's trial only compares its plan with the same groups all sparse,
+            when the model sent some dense.
+
+            **Trial budget.** Each candidate runs ``1`` settle step (not counted) and
+            ``3`` counted steps; candidates within 2% of the best are measured once
+            more (at most 2 of them). A full trial (the first plan, a bucket-layout
+            change) has at most 7 candidates: at most ``(7 + 2) * 4 = 36`` steps, 3.6%
+            of a 1000-step run, typically 16-28. A later trial (a periodic re-plan
+            whose model plan differs from the one the last trial started from, e.g.
+            after an online refit) compares the kept plan with the new model plan only
+            (at most 16 steps) and starts only while all later trials together stay
+            within 3% of the steps run; otherwise the kept plan stays. Trial steps are
+            ordinary training steps (error feedback is per parameter, so switching
+            plans between steps changes no result); what a trial costs is the slower
+            candidates' extra time over those steps. One small all-gather per
+            measuring round (two when near-ties are re-measured), from the hook.
+        plan: pin the plan: a plan saved from a previous run (``state.stats()["plan"]``,
+            ``state.state_dict()`` or its ``"plan"``), the output of ``omgs-plan`` (groups
+            of bucket indices, adopted at the end of the warm-up; the layout must have
+            as many buckets), a :class:`~omgs_hook.group_plan.GroupPlan`, or the path of
+            a JSON file holding one of these. The hook then never re-plans nor runs a
+            trial, so the same seed and the same pinned plan give bit-identical
+            training on the same machine. Default None.
         refit_online (bool): refit alpha/beta of the sparse all-gather from the hook's own
             timed collectives at every re-plan (averaged across ranks), so the plan
             follows the real network. Costs a clock read per collective; noisy on shared
@@ -144,6 +302,8 @@ class OMGSState:
         profile=None,
         topk_backend="auto",
         allow_dense=True,
+        select="measured",
+        plan=None,
         refit_online=False,
         nonfinite="skip",
         log_every=100,
@@ -179,6 +339,10 @@ class OMGSState:
         self.on_world_size_change = on_world_size_change
         self.allow_dense = bool(allow_dense)
         self.refit_online = bool(refit_online)
+        if select not in SELECT_MODES:
+            raise ValueError(f"select must be one of {SELECT_MODES}, got {select!r}")
+        self.select = select
+        self._pinned = _parse_pinned_plan(plan)
 
         if profile is None or isinstance(profile, Profile):
             self._profile_arg = profile
@@ -214,12 +378,30 @@ class OMGSState:
 
             self._fitter = OnlineLinearFitter()
         self._comm_override = None
+        # measured selection: the running trial, its GroupPlans and layout, the last
+        # finished trial's report, the model plan the last trial started from
+        self._clock = time.perf_counter  # bucket-0 arrivals (tests inject a fake per rank)
+        self._bucket0 = None  # (step, clock) of the last bucket-0 arrival
+        self._last_step_s = None
+        self._trial = None
+        self._trial_plans = []
+        self._trial_layout = None
+        self._last_trial = None
+        self._model_key = None
+        self._retrial_steps = 0
+        self._plan_history = []
+        self._planner = BackgroundPlanner()
+        self._plan_job = None  # the inputs of the plan being computed (plain values)
         self._coarse_warned = False
         self._last = None
         self._last_exchange = None
         self._totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "elements": 0,
-                        "selected": 0, "nonfinite_steps": 0, "replans": 0}
+                        "selected": 0, "nonfinite_steps": 0, "replans": 0, "trials": 0,
+                        "warmup_steps": 0, "warmup_elements": 0, "warmup_bytes": 0,
+                        "sparse_group_elements": 0, "sparse_group_selected": 0}
         self._hooks = []
+        if self._pinned is not None and self._pinned[0] == "keys" and module is not None:
+            _check_plan_keys(self._pinned[1], self._shapes)
         if module is not None:
             self._hooks.append(module.register_forward_pre_hook(self._on_forward_pre))
             self._hooks.append(module.register_forward_hook(self._on_forward))
@@ -300,8 +482,18 @@ class OMGSState:
             "profile": repr((prof.comm, prof.dense, prof.topk_for(self._selector.name))),
             "step": repr(self.step),
             "plan": repr(self.plan.checksum() if self.plan is not None else None),
+            "select": self.select,
+            "pinned_plan": repr(self._pinned_digest()),
+            "trial": repr(self._trial.state_dict()["rounds"] if self._trial is not None else None),
         }
         return fields
+
+    def _pinned_digest(self):
+        if self._pinned is None:
+            return None
+        if self._pinned[0] == "keys":
+            return self._pinned[1].checksum()
+        return repr(self._pinned[1:3])
 
     def _check_consistency(self):
         import hashlib
@@ -378,6 +570,19 @@ class OMGSState:
         if not self._consistency_checked:
             self._check_consistency()
             self._consistency_checked = True
+        # a whole iteration, as this rank sees it: bucket 0 to bucket 0
+        now = self._clock()
+        previous, self._bucket0 = self._bucket0, (self.step, now)
+        if previous is not None and previous[0] == self.step - 1:
+            self._last_step_s = now - previous[1]
+            if self._trial is not None:
+                self._trial.record(previous[0], self._last_step_s)
+        if self._plan_job is not None:
+            result = self._planner.poll(self.step)  # None before the agreed step
+            if result is not None:
+                self._apply_plan_result(result)
+        if self._trial is not None:
+            self._advance_trial()
         self._exchange = StepExchange(
             self.memory, self._selector, self.process_group, self.world_size,
             self.density_at(self.step),
@@ -388,6 +593,7 @@ class OMGSState:
         # the step this backward completes (counted from 1); the counter itself only
         # advances at the last bucket, possibly after the collectives finished
         self._exchange.step_number = self.step + 1
+        self._exchange.warmup = self.step < self.warmup_steps
         self._pending_groups = list(range(len(self.plan.groups))) if self.plan is not None else []
 
     def _send_ready_groups(self, exchange):
@@ -421,20 +627,107 @@ class OMGSState:
         previous, streak = self._layout_streak
         self._layout_streak = (layout, streak + 1 if previous == layout else 1)
         self.step += 1
-        if self.density < 1.0 and self.step >= self.warmup_steps and self._replan_due(layout):
-            self._replan(layout)
+        if self.density >= 1.0 or self.step < self.warmup_steps:
+            return
+        if self._pinned is not None:
+            if self.plan is None:
+                self._adopt_pinned(layout)
+            return
+        reason = self._replan_due(layout)
+        if reason:
+            self._replan(layout, reason)
 
     def _replan_due(self, layout):
+        """Why a re-plan is due now (``"first"``, ``"periodic"``, ``"overhead"``,
+        ``"layout"``), or None."""
+        if self._plan_job is not None:
+            return None  # a plan is being computed
         if self.plan is None:
-            return True
+            return "first"
+        _, streak = self._layout_streak
+        layout_changed = layout != self.plan.layout and streak >= LAYOUT_SETTLE_STEPS
+        if self._trial is not None:
+            # a running trial is only interrupted by a new layout
+            return "layout" if layout_changed else None
+        if layout != self.plan.layout and not layout_changed:
+            # a transient layout (DDP's first, one-bucket iteration after a restart): its
+            # measurements say nothing about the plan's buckets; wait for it to settle
+            return None
         since = self.step - self.plan.made_at_step
         if since >= self.replan_every:
-            return True
+            return "periodic"
         settled = self.warmup_steps + self.density_warmup_steps + OVERHEAD_SETTLE_STEPS
         if self._awaiting_overhead and since >= OVERHEAD_SETTLE_STEPS and self.step >= settled:
-            return True
-        _, streak = self._layout_streak
-        return layout != self.plan.layout and streak >= LAYOUT_SETTLE_STEPS
+            return "overhead"
+        return "layout" if layout_changed else None
+
+    # ------------------------------------------------------------ pinned and trial plans
+    def _adopt_pinned(self, layout):
+        """Resolve ``plan=`` for ``layout`` (the end of the warm-up) and keep it for good."""
+        kind = self._pinned[0]
+        if kind == "keys":
+            plan = self._pinned[1]
+            _check_plan_keys(plan, {k for bucket in layout for k in bucket})
+        else:
+            _, units, dense, predicted = self._pinned
+            num_units = sum(len(g) for g in units)
+            if len(layout) != num_units:
+                if self.step < self.warmup_steps + LAYOUT_SETTLE_STEPS:
+                    return  # DDP may not have rebuilt its buckets yet
+                raise ValueError(
+                    f"plan: the pinned plan has {num_units} buckets but DDP's layout has "
+                    f"{len(layout)}; pin a plan saved from the same model and bucket_cap_mb"
+                )
+            unit_plan = planner_mod.Plan(strategy="pinned", groups=units, dense=dense,
+                                         predicted_iteration_s=predicted, non_overlapped_s=0.0)
+            plan = GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=self.step)
+        self.plan = dataclasses.replace(plan, made_at_step=self.step)
+        self._note_plan("pinned")
+
+    def _note_plan(self, reason):
+        """Record the plan in use from step ``self.step`` on (``stats()["plan_history"]``)."""
+        plan = self.plan
+        entry = {"step": self.step, "strategy": plan.strategy, "groups": plan.unit_groups(),
+                 "dense": list(plan.dense), "reason": reason,
+                 "predicted_s": plan.predicted_iteration_s, "checksum": plan.checksum()}
+        self._plan_history.append(entry)
+        del self._plan_history[:-PLAN_HISTORY_LIMIT]
+
+    def _group_plan(self, candidate, layout, step):
+        unit_plan = planner_mod.Plan(strategy=candidate.name, groups=candidate.groups,
+                                     dense=candidate.dense,
+                                     predicted_iteration_s=candidate.predicted_s,
+                                     non_overlapped_s=0.0)
+        return GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=step)
+
+    def _advance_trial(self):
+        """At bucket 0 of step ``self.step``: close a finished round (one all-gather of
+        every rank's step times; identical decision everywhere), then put the scheduled
+        candidate in place."""
+        trial = self._trial
+        if trial.round_complete(self.step):
+            rows = self._gather_rows(trial.local_row())
+            winner = trial.finish_round(rows.tolist(), self.step)
+            if winner is not None:
+                self.plan = dataclasses.replace(self._trial_plans[winner], made_at_step=self.step)
+                self._note_plan("trial winner")
+                self._last_trial = trial.report()
+                if trial.reason == "periodic":
+                    self._retrial_steps += self.step - trial.start_step
+                self._totals["trials"] += 1
+                self._trial = None
+                self._trial_plans = []
+                logger.info("omgs_hook: step %d %s", self.step, trial.summary())
+                return
+        index = trial.candidate_at(self.step)
+        if index is not None and self.plan != self._trial_plans[index]:
+            self.plan = self._trial_plans[index]
+            self._note_plan("trial")
+
+    def _start_trial_from(self, trial):
+        self._trial = trial
+        self._trial_plans = [self._group_plan(c, self._trial_layout, trial.start_step)
+                             for c in trial.candidates]
 
     def measured_instance(self, layout=None):
         """The planner's input from the measurements of all ranks.
@@ -534,28 +827,79 @@ class OMGSState:
                     for rank_rows in gathered]
         return slowest_rank_timeline(per_rank)
 
-    def _replan(self, layout):
-        """Compute the plan for ``layout`` from all ranks' measurements (blocking)."""
+    def _replan(self, layout, reason="first"):
+        """Re-plan for ``layout``: gather every rank's measurements now (small blocking
+        all-gathers, here on the autograd thread), compute the plan and the trial's
+        candidates on the background planner's thread, and put the result in use at
+        bucket 0 of step ``self.step + PLAN_LAG`` - the same step on every rank."""
         instance, inputs = self._build_instance(layout)
-        overhead_known = inputs["overhead_measured"]
         self._comm_override = inputs.pop("comm_override")
         self._planned_with = inputs
-        numels = [u.numel for u in instance.layers]
-        self._warn_if_coarse(layout, numels)
-        unit_plan = planner_mod.make_plan(instance, self.strategy)
-        plan = GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=self.step)
-        checksums = self._gather_rows([plan.checksum()], dtype=torch.int64)[:, 0].tolist()
-        if len(set(checksums)) > 1:
+        self._warn_if_coarse(layout, [u.numel for u in instance.layers])
+        kept = self.plan
+        periodic = (self.select == "measured" and reason == "periodic" and kept is not None
+                    and kept.layout == layout and self._model_key is not None)
+        longest = (2 + plan_selection.MAX_REMEASURE) * (
+            plan_selection.SETTLE_STEPS + plan_selection.MEASURE_STEPS)
+        job = {
+            "instance": instance.to_dict(),
+            "layout": [list(b) for b in layout],
+            "reason": reason,
+            "overhead_known": bool(inputs["overhead_measured"]),
+            "apply_at_step": self.step + PLAN_LAG,
+            "kept": ({"name": kept.strategy, "groups": kept.unit_groups(),
+                      "dense": list(kept.dense)} if periodic else None),
+            "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
+                          if periodic else None),
+            # a later trial only while all of them stay within the budget
+            "retrial_ok": self._retrial_steps + longest <= plan_selection.RETRIAL_SHARE * self.step,
+        }
+        self._totals["replans"] += 1
+        self._submit_plan_job(job)
+
+    def _submit_plan_job(self, job):
+        self._plan_job = job
+        self._planner.submit(_compute_plan, job, self.strategy, self.select,
+                             apply_at_step=int(job["apply_at_step"]))
+
+    def _apply_plan_result(self, result):
+        """At bucket 0 of the agreed step: check every rank got the same plans (one small
+        all-gather of checksums) and put the result in use."""
+        job, self._plan_job = self._plan_job, None
+        layout = tuple(tuple(b) for b in job["layout"])
+        candidates = result["candidates"]
+        if candidates:
+            plans = [self._group_plan(c, layout, self.step) for c in candidates]
+        elif result["plan"] is None:  # keep the plan in use (the measured winner)
+            plans = [dataclasses.replace(self.plan, made_at_step=self.step)]
+        else:
+            plans = [self._group_plan(result["plan"], layout, self.step)]
+        width = 1 + plan_selection.MAX_CANDIDATES
+        row = ([len(plans)] + [p.checksum() for p in plans] + [0] * width)[:width]
+        table = self._gather_rows(row, dtype=torch.int64)
+        if any(len(set(table[:, col].tolist())) > 1 for col in range(width)):
             raise RuntimeError(
                 f"omgs_hook: ranks computed different plans at step {self.step} "
-                f"(checksums {checksums}); refusing to continue with mismatched collectives"
+                f"(checksums {table[:, 1].tolist()}); refusing to continue with mismatched "
+                "collectives"
             )
+        if candidates:
+            self._model_key = result["model_key"]
+            self._trial_layout = layout
+            self._start_trial_from(plan_selection.Trial(candidates, self.step, reason=job["reason"]))
+            self._awaiting_overhead = False  # the trial measures the sparse path itself
+            logger.debug("omgs_hook: step %d trial of %s", self.step, [c.name for c in candidates])
+            return
+        plan = plans[0]
+        changed = self.plan is None or self.plan.checksum() != plan.checksum()
         self.plan = plan
+        if changed:
+            self._note_plan(result["reason"])
         # re-plan once more when the hook's own per-group work is still unknown and the
-        # plan sends something sparse (decided from gathered numbers: identical on all ranks)
-        self._awaiting_overhead = (not overhead_known and not self._awaiting_overhead
+        # plan sends something sparse (decided from gathered numbers: identical on all
+        # ranks)
+        self._awaiting_overhead = (not job["overhead_known"] and not self._awaiting_overhead
                                    and not all(plan.dense))
-        self._totals["replans"] += 1
         logger.debug("omgs_hook: step %d new plan %s", self.step, plan.unit_groups())
 
     def _warn_if_coarse(self, layout, numels):
@@ -618,6 +962,14 @@ class OMGSState:
         t["dense_bytes"] += dense_bytes
         t["elements"] += numel
         t["selected"] += selected
+        if getattr(exchange, "warmup", False):
+            t["warmup_steps"] += 1
+            t["warmup_elements"] += numel
+            t["warmup_bytes"] += nbytes
+        for r in records:
+            if not r.dense:
+                t["sparse_group_elements"] += r.numel
+                t["sparse_group_selected"] += r.selected
         if self.log_every and step_number % self.log_every == 0:
             logger.info("omgs_hook: %s", self.summary_line(step_number))
 
@@ -638,21 +990,44 @@ class OMGSState:
         groups, dense groups, whether the step was non-finite, measured
         forward+backward+communication seconds, host seconds in top-k selection
         ``topk_s`` and in the hook body ``hook_s``), ``"total"``
-        (the same summed, plus re-plans), ``"plan"`` (groups as bucket indices, modes,
-        strategy, predicted iteration seconds), ``"backward_s_per_unit"`` (median
-        measured per bucket), ``"forward_s"``, ``"tail_s"`` (median seconds from a step's
-        last write-back to the next forward), ``"measured_iteration_s"`` (forward start to
-        forward start; what ``"predicted_iteration_s"`` predicts) and ``"planned_with"``
-        (the forward, tail and per-group overhead the last plan was made with).
+        (the same summed, plus re-plans and finished trials; ``"density"`` is the
+        achieved density of the steps *after* the dense warm-up - dense groups the plan
+        chose count with all their elements - ``"sparse_group_density"`` that of the
+        sparse groups alone, ``"density_all_steps"`` the old figure with the warm-up
+        in, and ``"warmup_steps"``, ``"warmup_elements"``, ``"warmup_bytes"`` the
+        warm-up's share), ``"plan"`` (groups as bucket indices and as parameter names
+        ``"group_keys"``, modes, strategy - or the trial candidate's name -, predicted
+        iteration seconds; it can be passed as ``plan=`` to pin it), ``"plan_history"``
+        (every plan put in use: first step, strategy, groups, dense flags, reason -
+        ``"model"``, ``"trial"`` (a candidate), ``"trial winner"``, ``"pinned"``),
+        ``"selection"`` (``select``, the running trial and the last finished one: every
+        candidate's predicted and measured seconds and the winner),
+        ``"backward_s_per_unit"`` (median measured per bucket), ``"forward_s"``,
+        ``"tail_s"`` (median seconds from a step's last write-back to the next forward),
+        ``"measured_iteration_s"`` (wall time from the start of one forward to the start
+        of the next, on the host clock; needs ``module``; what
+        ``"predicted_iteration_s"`` predicts), ``"step_s"`` (this rank's seconds
+        between the last two arrivals of bucket 0: a whole iteration, the trial's
+        measure; works without ``module``), ``"planner_wait_s"`` (how long the last
+        switch to a background-computed plan waited for the planner thread: the stall
+        re-planning cost that step) and ``"planned_with"`` (the forward, tail and
+        per-group overhead the last plan was made with).
         """
         total = dict(self._totals)
-        total["density"] = total["selected"] / total["elements"] if total["elements"] else 0.0
+        all_elements, all_selected = total["elements"], total["selected"]
+        sparse_elements = all_elements - total["warmup_elements"]
+        sparse_selected = all_selected - total["warmup_elements"]  # warm-up sends all
+        total["density"] = sparse_selected / sparse_elements if sparse_elements else 0.0
+        total["density_all_steps"] = all_selected / all_elements if all_elements else 0.0
+        total["sparse_group_density"] = (total["sparse_group_selected"] / total["sparse_group_elements"]
+                                         if total["sparse_group_elements"] else 0.0)
         total["compression"] = total["dense_bytes"] / total["bytes_sent"] if total["bytes_sent"] else 0.0
         plan = None
         if self.plan is not None:
             plan = {
                 "strategy": self.plan.strategy,
                 "groups": self.plan.unit_groups(),
+                "group_keys": [list(g) for g in self.plan.groups],
                 "dense": list(self.plan.dense),
                 "num_groups": len(self.plan.groups),
                 "made_at_step": self.plan.made_at_step,
@@ -666,6 +1041,15 @@ class OMGSState:
             "backward_s_per_unit": self.meter.backward_s(),
             "forward_s": self.meter.forward_s(),
             "measured_iteration_s": self.meter.last_iteration_s,
+            "step_s": self._last_step_s,
+            "planner_wait_s": self._planner.last_wait_s,
+            "plan_history": [dict(e) for e in self._plan_history],
+            "selection": {
+                "select": self.select,
+                "pinned": self._pinned is not None,
+                "trial": self._trial.report() if self._trial is not None else None,
+                "last_trial": self._last_trial,
+            },
             "predicted_iteration_s": self.plan.predicted_iteration_s if self.plan else None,
             "planned_with": dict(self._planned_with) if self._planned_with else None,
             "tail_s": self.meter.tail_s(),
@@ -695,6 +1079,10 @@ class OMGSState:
             f" compression {s['total']['compression']:.1f}x"
             f" iter {measured if measured is None else round(measured, 4)} s"
             f" predicted {None if plan is None else round(plan['predicted_iteration_s'], 4)} s"
+            f" plan {None if plan is None else plan['strategy']}"
+            + (f" ({self._trial.summary()} running)" if self._trial is not None else "")
+            + (f" last {plan_selection.summary_of(self._last_trial)}"
+               if self._last_trial is not None and self._trial is None else "")
         )
 
     # ------------------------------------------------------------------ persistence
@@ -720,6 +1108,16 @@ class OMGSState:
             "awaiting_overhead": self._awaiting_overhead,
             "refit": self._fitter.state_dict() if self._fitter is not None else None,
             "totals": dict(self._totals),
+            "select": self.select,
+            "trial": self._trial.state_dict() if self._trial is not None else None,
+            "trial_layout": ([list(b) for b in self._trial_layout]
+                             if self._trial is not None else None),
+            "last_trial": self._last_trial,
+            "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
+                          if self._model_key is not None else None),
+            "retrial_steps": self._retrial_steps,
+            "plan_history": [dict(e) for e in self._plan_history],
+            "plan_job": self._plan_job,
         }
 
     def load_state_dict(self, sd):
@@ -766,14 +1164,30 @@ class OMGSState:
         for k, v in (sd.get("totals") or {}).items():
             if k in self._totals:
                 self._totals[k] = int(v)
+        self._trial, self._trial_plans, self._trial_layout = None, [], None
+        if sd.get("trial") and not drop_residuals and self._pinned is None:
+            self._trial_layout = tuple(tuple(b) for b in sd["trial_layout"])
+            self._start_trial_from(plan_selection.Trial.from_state_dict(sd["trial"]))
+        self._last_trial = sd.get("last_trial")
+        key = sd.get("model_key")
+        self._model_key = ((tuple(tuple(g) for g in key[0]), tuple(bool(d) for d in key[1]))
+                           if key else None)
+        self._retrial_steps = int(sd.get("retrial_steps", 0))
+        self._plan_history = [dict(e) for e in sd.get("plan_history") or []]
+        self._bucket0 = None
+        self._planner.cancel()
+        self._plan_job = None
+        if sd.get("plan_job") and not drop_residuals and self._pinned is None:
+            self._submit_plan_job(sd["plan_job"])
         if self._device is not None:
             self.memory.move_to(self._device)
 
     def close(self):
-        """Remove the forward hooks this state put on the module."""
+        """Remove the forward hooks this state put on the module; stop the planner thread."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._planner.close(timeout=10.0)
 
 
 def omgs_hook(state, bucket):

@@ -1,0 +1,336 @@
+"""Measured plan selection: time a few candidate plans for real and keep the fastest.
+
+The cost model's optimum is the fastest plan *of the model*. Where the model is wrong
+(on CPU gloo's dense all-reduce reduces on the cores backward needs; TopK-SGD's single
+group is underestimated) it is not the fastest plan of the real system. This module
+holds the pure logic of the check the hook runs after each model-based plan:
+
+* :func:`model_candidates` - a small, deduplicated candidate set from the model: the
+  model's choice, the optimum without dense groups, an all-dense plan (DDP's own
+  all-reduce per bucket), ``single`` (TopK-SGD), ``layerwise`` (LAGS-SGD), ``greedy``, and
+  the model's best plans one group fewer and one group more than the sparse optimum.
+* :class:`Trial` - the deterministic schedule (every candidate in turn: ``settle`` steps
+  not counted, then ``measure`` counted steps), the slowest-rank reduction of the
+  numbers every rank gathered, the near-tie re-measure and the winner.
+
+Nothing here reads a clock or talks to other ranks: the hook feeds the trial its own
+per-step times, all-gathers :meth:`Trial.local_row` once per round and hands every
+rank's row back to :meth:`Trial.finish_round`. Every rank therefore decides from the
+same numbers, in the same order, and picks the same winner even when the ranks' clocks
+disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import List, Optional, Sequence, Tuple
+
+from . import planner as planner_mod
+from .cost_model import Instance
+
+#: steps run with a candidate before its steps are counted (new buffer sizes, caches)
+SETTLE_STEPS = 1
+#: counted steps per candidate and round
+MEASURE_STEPS = 3
+#: at most this many candidates in a full trial
+MAX_CANDIDATES = 7
+#: candidates whose measured time is within this fraction of the best are re-measured once
+NEAR_TIE = 0.02
+#: at most this many candidates (the best included) take part in the re-measure round
+MAX_REMEASURE = 2
+#: later trials (a periodic re-plan whose model plan changed) start only while all of
+#: them together stay within this share of the steps run so far
+RETRIAL_SHARE = 0.03
+#: candidates the model predicts slower than this factor times its best are not tried
+#: (the model's errors measured so far are within +-40%)
+PRUNE_FACTOR = 1.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan to try: groups of unit indices, dense flags, the model's prediction."""
+
+    name: str
+    groups: Tuple[Tuple[int, ...], ...]
+    dense: Tuple[bool, ...]
+    predicted_s: float
+
+    @property
+    def key(self):
+        return (self.groups, self.dense)
+
+    def to_dict(self):
+        return {"name": self.name, "groups": [list(g) for g in self.groups],
+                "dense": list(self.dense), "predicted_s": self.predicted_s}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(name=str(d["name"]), groups=tuple(tuple(int(u) for u in g) for g in d["groups"]),
+                   dense=tuple(bool(x) for x in d["dense"]), predicted_s=float(d["predicted_s"]))
+
+    @classmethod
+    def from_plan(cls, name, plan):
+        return cls(name=name, groups=tuple(tuple(g) for g in plan.groups),
+                   dense=tuple(bool(x) for x in plan.dense),
+                   predicted_s=float(plan.predicted_iteration_s))
+
+
+def dedupe(candidates: Sequence[Candidate], limit: Optional[int] = None) -> List[Candidate]:
+    """Drop candidates whose (groups, dense) an earlier one has; keep the first ``limit``."""
+    seen = set()
+    out = []
+    for c in candidates:
+        if c.key in seen:
+            continue
+        seen.add(c.key)
+        out.append(c)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def neighbour_plans(inst: Instance, groups) -> List[Tuple[str, object]]:
+    """The model's best sparse plan one group fewer (one merge of two neighbouring groups
+    of ``groups``) and one group more (one split of a group at a unit boundary), as
+    ``(name, Plan)`` pairs; ties go to the earlier position."""
+    groups = [tuple(g) for g in groups]
+    out = []
+
+    def best_of(options, label):
+        best = None
+        for option in options:
+            plan = planner_mod.evaluate(inst, option, [False] * len(option), strategy=label)
+            if best is None or plan.predicted_iteration_s < best.predicted_iteration_s:
+                best = plan
+        if best is not None:
+            out.append((label, best))
+
+    merges = [groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2:]
+              for i in range(len(groups) - 1)]
+    best_of(merges, f"{len(groups) - 1}-groups")
+    splits = [groups[:i] + [g[:j], g[j:]] + groups[i + 1:]
+              for i, g in enumerate(groups) for j in range(1, len(g))]
+    best_of(splits, f"{len(groups) + 1}-groups")
+    return out
+
+
+def model_candidates(inst: Instance, strategy: str, model_plan=None,
+                     limit: int = MAX_CANDIDATES, prune_factor: float = PRUNE_FACTOR) -> List[Candidate]:
+    """The candidate set of a trial, the model's choice first.
+
+    ``inst`` is the instance the model planned (``inst.dense`` set when dense groups are
+    allowed); ``strategy`` the user's strategy; ``model_plan`` its plan (computed here
+    when None). For ``strategy="optimal"`` the set is: the model's choice, the optimum
+    without dense groups, an all-dense plan (every unit its own dense all-reduce: DDP's
+    default), ``single``, ``layerwise``, ``greedy`` (all three sparse, as in the papers),
+    then the best plans one group fewer and one more than the sparse optimum. For another
+    strategy only its own groups are in question: its plan, and the same groups all
+    sparse when the model sent some dense. Duplicates are dropped, candidates predicted
+    slower than ``prune_factor`` times the best prediction are left out (never the
+    model's choice), and at most ``limit`` remain.
+    """
+    strategy = planner_mod.parse_strategy(strategy)
+    if model_plan is None:
+        model_plan = planner_mod.make_plan(inst, strategy)
+    sparse_inst = dataclasses.replace(inst, dense=None) if inst.dense is not None else inst
+    first = Candidate.from_plan(strategy, model_plan)
+    pool = [first]
+    if strategy != "optimal":
+        if any(model_plan.dense):
+            plan = planner_mod.evaluate(sparse_inst, model_plan.groups,
+                                        [False] * len(model_plan.groups))
+            pool.append(Candidate.from_plan(f"{strategy}-sparse", plan))
+        return dedupe(pool, limit)
+    sparse_opt = planner_mod.make_plan(sparse_inst, "optimal")
+    pool.append(Candidate.from_plan("optimal-sparse", sparse_opt))
+    if inst.dense is not None:
+        units = tuple((u,) for u in range(inst.num_units))
+        plan = planner_mod.evaluate(inst, units, [True] * len(units), strategy="all-dense")
+        pool.append(Candidate.from_plan("all-dense", plan))
+    for name in ("single", "layerwise", "greedy"):
+        pool.append(Candidate.from_plan(name, planner_mod.make_plan(sparse_inst, name)))
+    for name, plan in neighbour_plans(sparse_inst, sparse_opt.groups):
+        pool.append(Candidate.from_plan(name, plan))
+    best = min(c.predicted_s for c in pool)
+    kept = [pool[0]] + [c for c in pool[1:] if c.predicted_s <= prune_factor * best]
+    return dedupe(kept, limit)
+
+
+def _median(values):
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.median(values) if values else math.inf
+
+
+class Trial:
+    """The schedule and the decision of one measured selection.
+
+    Round 0 runs every candidate in index order; each candidate's turn is ``settle``
+    steps (not counted) then ``measure`` counted steps, starting at hook step
+    ``start_step``. The hook reports this rank's seconds per step (:meth:`record`);
+    when the round is complete (:meth:`round_complete`) it all-gathers
+    :meth:`local_row` and calls :meth:`finish_round` with every rank's row. A step's
+    time is the *slowest* rank's (collectives wait for it); a candidate's time is the
+    median over its counted steps. Candidates within ``near_tie`` of the best (at most
+    ``max_remeasure``, best first) are measured once more in round 1, and the winner is
+    the lowest median over both rounds; ties go to the lower index (the model's choice
+    first). A missing sample (NaN: e.g. the first step after a resume has no previous
+    arrival) is ignored. All of it is a function of the gathered numbers only.
+    """
+
+    def __init__(self, candidates: Sequence[Candidate], start_step: int, reason: str = "model",
+                 settle: int = SETTLE_STEPS, measure: int = MEASURE_STEPS,
+                 near_tie: float = NEAR_TIE, max_remeasure: int = MAX_REMEASURE):
+        if len(candidates) < 1:
+            raise ValueError("a trial needs at least one candidate")
+        if settle < 0 or measure < 1:
+            raise ValueError("settle must be >= 0 and measure >= 1")
+        self.candidates = list(candidates)
+        self.reason = str(reason)
+        self.settle = int(settle)
+        self.measure = int(measure)
+        self.near_tie = float(near_tie)
+        self.max_remeasure = int(max_remeasure)
+        self.start_step = int(start_step)
+        self.rounds = [list(range(len(self.candidates)))]
+        self.round_start = int(start_step)
+        self.samples = [[] for _ in self.candidates]  # slowest-rank seconds, per round order
+        self.local = self._empty_local()
+        self.winner = None
+        self.decided_at = None
+
+    # -- schedule ---------------------------------------------------------------------
+    @property
+    def done(self):
+        return self.winner is not None
+
+    @property
+    def per_candidate(self):
+        return self.settle + self.measure
+
+    @property
+    def round_end(self):
+        """The first step after the current round."""
+        return self.round_start + len(self.rounds[-1]) * self.per_candidate
+
+    def max_steps(self):
+        """Upper bound of the steps this trial runs (both rounds)."""
+        return (len(self.candidates) + min(self.max_remeasure, len(self.candidates))) * self.per_candidate
+
+    def _slot(self, step):
+        """(position in the current round, counted index or None) of ``step``, or None."""
+        offset = step - self.round_start
+        if self.done or offset < 0 or step >= self.round_end:
+            return None
+        position, within = divmod(offset, self.per_candidate)
+        return position, (within - self.settle if within >= self.settle else None)
+
+    def candidate_at(self, step) -> Optional[int]:
+        """Index of the candidate that runs ``step``, or None outside the current round."""
+        slot = self._slot(step)
+        return None if slot is None else self.rounds[-1][slot[0]]
+
+    def record(self, step, seconds):
+        """This rank's duration of ``step``; kept when it is a counted step of the round."""
+        slot = self._slot(step)
+        if slot is not None and slot[1] is not None:
+            self.local[slot[0]][slot[1]] = float(seconds)
+
+    def round_complete(self, step):
+        """True at (the start of) ``step`` when the current round's steps are all over."""
+        return not self.done and step >= self.round_end
+
+    def _empty_local(self):
+        return [[math.nan] * self.measure for _ in self.rounds[-1]]
+
+    def local_row(self) -> List[float]:
+        """This rank's counted seconds of the round, flat (NaN where missing)."""
+        return [x for row in self.local for x in row]
+
+    # -- decision ---------------------------------------------------------------------
+    def measured_s(self, index) -> float:
+        return _median(self.samples[index])
+
+    def finish_round(self, rows, step):
+        """Close the round with every rank's :meth:`local_row` (the same list on every rank)
+        at hook step ``step``. Returns the winner's index, or None when a re-measure round
+        starts at ``step``."""
+        width = len(self.rounds[-1]) * self.measure
+        rows = [list(map(float, r)) for r in rows]
+        if not rows or any(len(r) != width for r in rows):
+            raise ValueError(f"expected rows of {width} numbers, got {[len(r) for r in rows]}")
+        for position, index in enumerate(self.rounds[-1]):
+            for j in range(self.measure):
+                column = [r[position * self.measure + j] for r in rows]
+                known = [x for x in column if not math.isnan(x)]
+                self.samples[index].append(max(known) if known else math.nan)
+        round_members = self.rounds[-1]
+        times = {i: self.measured_s(i) for i in round_members}
+        best = min(round_members, key=lambda i: (times[i], i))
+        if len(self.rounds) == 1 and math.isfinite(times[best]):
+            tied = sorted((i for i in round_members
+                           if times[i] <= times[best] * (1.0 + self.near_tie)),
+                          key=lambda i: (times[i], i))[:self.max_remeasure]
+            if len(tied) > 1:
+                self.rounds.append(sorted(tied))
+                self.round_start = int(step)
+                self.local = self._empty_local()
+                return None
+        self.winner = best
+        self.decided_at = int(step)
+        return best
+
+    def report(self):
+        """Every candidate with its prediction and measurement, and the winner."""
+        out = []
+        for i, c in enumerate(self.candidates):
+            measured = self.measured_s(i)
+            out.append({"name": c.name, "groups": [list(g) for g in c.groups],
+                        "dense": list(c.dense), "predicted_s": c.predicted_s,
+                        "measured_s": None if math.isinf(measured) else measured,
+                        "samples": sum(1 for x in self.samples[i] if not math.isnan(x)),
+                        "winner": i == self.winner})
+        return {"reason": self.reason, "start_step": self.start_step,
+                "decided_at": self.decided_at,
+                "winner": None if self.winner is None else self.candidates[self.winner].name,
+                "remeasured": [self.candidates[i].name for i in self.rounds[1]] if len(self.rounds) > 1 else [],
+                "candidates": out}
+
+    def summary(self):
+        """One line: ``name predicted/measured ms`` per candidate, the winner marked."""
+        return summary_of(self.report())
+
+    # -- persistence --------------------------------------------------------------------
+    def state_dict(self):
+        return {"candidates": [c.to_dict() for c in self.candidates], "reason": self.reason,
+                "settle": self.settle, "measure": self.measure, "near_tie": self.near_tie,
+                "max_remeasure": self.max_remeasure, "start_step": self.start_step,
+                "rounds": [list(r) for r in self.rounds], "round_start": self.round_start,
+                "samples": [list(s) for s in self.samples],
+                "local": [list(r) for r in self.local],
+                "winner": self.winner, "decided_at": self.decided_at}
+
+    @classmethod
+    def from_state_dict(cls, sd):
+        trial = cls([Candidate.from_dict(c) for c in sd["candidates"]], int(sd["start_step"]),
+                    reason=sd.get("reason", "model"), settle=int(sd["settle"]),
+                    measure=int(sd["measure"]), near_tie=float(sd["near_tie"]),
+                    max_remeasure=int(sd["max_remeasure"]))
+        trial.rounds = [[int(i) for i in r] for r in sd["rounds"]]
+        trial.round_start = int(sd["round_start"])
+        trial.samples = [[float(x) for x in s] for s in sd["samples"]]
+        trial.local = [[float(x) for x in r] for r in sd["local"]]
+        trial.winner = None if sd.get("winner") is None else int(sd["winner"])
+        trial.decided_at = None if sd.get("decided_at") is None else int(sd["decided_at"])
+        return trial
+
+
+def summary_of(report):
+    """:meth:`Trial.summary` of a :meth:`Trial.report` (e.g. one restored from a state dict)."""
+    parts = []
+    for entry in report["candidates"]:
+        measured = "-" if entry["measured_s"] is None else f"{entry['measured_s'] * 1e3:.1f}"
+        mark = "*" if entry["winner"] else ""
+        parts.append(f"{mark}{entry['name']} {entry['predicted_s'] * 1e3:.1f}/{measured}")
+    return "trial (predicted/measured ms): " + ", ".join(parts)

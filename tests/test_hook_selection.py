@@ -1,0 +1,291 @@
+"""Measured plan selection and pinned plans under real DDP (gloo, CPU, 2 ranks).
+
+Step times are made deterministic with a fake clock per rank (``state._clock``, read at
+every arrival of bucket 0): it advances by a cost that depends on the plan in use and
+on the rank, and rank 1's clock has another origin and rate. The decision must come
+from the gathered numbers, so both ranks pick the same winner: the plan whose *slowest*
+rank is fastest.
+"""
+
+import gc
+import json
+import os
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import omgs_hook
+from ddp_harness import run_ranks
+from test_hook_ddp import DENSITY, Net, batch, loss_fn, train_steps
+
+pytestmark = pytest.mark.multiprocess
+
+
+def fake_cost(rank, plan):
+    """Seconds one step takes on ``rank`` with ``plan`` (a GroupPlan or None).
+
+    Rank 0 alone would keep the model's choice (named after the strategy, "optimal");
+    rank 1 is slow under it, so on the slowest-rank measure the model's choice loses."""
+    if plan is None:
+        return 0.01
+    base = 0.010 + 0.001 * len(plan.groups) + 0.0025 * sum(plan.dense)
+    if plan.strategy == "optimal":
+        return base - 0.009 if rank == 0 else base + 0.05
+    return base
+
+
+class FakeClock:
+    def __init__(self, state, rank):
+        self.state, self.rank = state, rank
+        # rank 1's clock has another origin and runs 1.5x fast
+        self.now = 1e5 * rank
+        self.rate = 1.0 + 0.5 * rank
+
+    def __call__(self):
+        # called at bucket 0 of a step: the plan in use is still the previous step's
+        self.now += self.rate * fake_cost(self.rank, self.state.plan)
+        return self.now
+
+
+def build(rank, fake_clock=True, **options):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    options.setdefault("warmup_steps", 2)
+    state = omgs_hook.register(ddp, density=DENSITY, **options)
+    if fake_clock:
+        state._clock = FakeClock(state, rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, ddp, state, opt
+
+
+def selection_worker(rank, world_size, steps, **options):
+    model, ddp, state, opt = build(rank, **options)
+    train_steps(ddp, opt, 0, steps, rank)
+    stats = state.stats()
+    del ddp, state
+    gc.collect()
+    return {"stats": stats}
+
+
+def expected_winner(report, world_size):
+    """The candidate whose slowest rank is fastest under fake_cost (ties: lower index)."""
+    from omgs_hook.group_plan import GroupPlan
+
+    def cost(entry, rank):
+        plan = GroupPlan(groups=tuple(tuple(g) for g in entry["groups"]),
+                         dense=tuple(entry["dense"]), layout=(), strategy=entry["name"],
+                         predicted_iteration_s=0.0, made_at_step=0)
+        return (1.0 + 0.5 * rank) * fake_cost(rank, plan)
+
+    slowest = [max(cost(e, r) for r in range(world_size)) for e in report["candidates"]]
+    best = min(range(len(slowest)), key=lambda i: (slowest[i], i))
+    return report["candidates"][best]["name"], slowest
+
+
+@pytest.mark.timeout(180)
+def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
+    results = run_ranks("test_hook_selection", "selection_worker", world_size=2, steps=46)
+    stats = [r["stats"] for r in results]
+    report = stats[0]["selection"]["last_trial"]
+    assert report is not None and stats[0]["selection"]["trial"] is None
+    # the schedule, the measurements (gathered) and the decision are the same everywhere
+    assert report == stats[1]["selection"]["last_trial"]
+    assert stats[0]["plan_history"] == stats[1]["plan_history"]
+    assert stats[0]["plan"] == stats[1]["plan"]
+    names = [c["name"] for c in report["candidates"]]
+    assert names[0] == "optimal" and len(names) >= 3, names
+    assert len({(json.dumps(c["groups"]), json.dumps(c["dense"])) for c in report["candidates"]}) == len(names)
+    winner, slowest = expected_winner(report, 2)
+    assert report["winner"] == winner == stats[0]["plan"]["strategy"]
+    # the model's choice lost (rank 0 alone would have kept it: its clock says it is the
+    # fastest there), and the measured times are rank 1's, read on its 1.5x clock
+    assert winner != "optimal"
+    for entry, expected in zip(report["candidates"], slowest):
+        assert entry["measured_s"] == pytest.approx(expected, rel=1e-6), entry
+        assert entry["samples"] >= 3 and entry["predicted_s"] > 0
+    history = stats[0]["plan_history"]
+    trial_entries = [h for h in history if h["reason"] == "trial"]
+    assert [h["strategy"] for h in trial_entries][:len(names)] == names
+    assert [h["step"] for h in trial_entries][:len(names)] == [4 + 4 * i for i in range(len(names))]
+    assert history[-1]["reason"] == "trial winner" and history[-1]["strategy"] == winner
+    assert stats[0]["total"]["trials"] == 1 and stats[0]["total"]["replans"] == 1
+    assert stats[0]["step_s"] is not None
+
+
+@pytest.mark.timeout(180)
+def test_select_model_keeps_the_model_choice():
+    results = run_ranks("test_hook_selection", "selection_worker", world_size=2, steps=12,
+                        select="model", allow_dense=False)
+    stats = results[0]["stats"]
+    assert stats["selection"]["last_trial"] is None and stats["total"]["trials"] == 0
+    assert stats["plan"]["strategy"] == "optimal"
+    assert [h["reason"] for h in stats["plan_history"]] == ["model"] * len(stats["plan_history"])
+
+
+@pytest.mark.timeout(180)
+def test_gradients_after_plan_switches_equal_the_reference():
+    # the real clock: whichever plan wins, every step must match the reference
+    results = run_ranks("test_hook_ddp", "check_against_reference", world_size=2,
+                        hook_options={"strategy": "optimal", "warmup_steps": 1}, ddp_options={},
+                        steps=16)
+    for r in results:
+        assert r["worst"]["grad"] < 1e-6, r["worst"]
+        assert r["worst"]["residual"] < 1e-6, r["worst"]
+        assert r["worst"]["conservation"] < 1e-5, r["worst"]
+    history = results[0]["stats"]["plan_history"]
+    used = {(json.dumps(h["groups"]), json.dumps(h["dense"])) for h in history}
+    assert len(used) >= 3, history  # the trial switched plans between steps
+    assert history == results[1]["stats"]["plan_history"]
+
+
+def resume_in_trial_worker(rank, world_size, ckpt_dir, first, total):
+    model, ddp, state, opt = build(rank)
+    train_steps(ddp, opt, 0, first, rank)
+    in_trial = state.stats()["selection"]["trial"] is not None
+    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
+    train_steps(ddp, opt, first, total, rank)
+    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats_a = state.stats()
+    del ddp, state, model, opt
+    gc.collect()
+
+    model, ddp, state, opt = build(rank)
+    ckpt = torch.load(path, weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["hook"])
+    resumed_in_trial = state.stats()["selection"]["trial"] is not None
+    train_steps(ddp, opt, first, total, rank)
+    resumed = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats_b = state.stats()
+    del ddp, state
+    gc.collect()
+    return {"in_trial": in_trial, "resumed_in_trial": resumed_in_trial,
+            "identical": all(torch.equal(uninterrupted[n], resumed[n]) for n in uninterrupted),
+            "winner": (stats_a["selection"]["last_trial"]["winner"],
+                       stats_b["selection"]["last_trial"]["winner"]),
+            "history": (stats_a["plan_history"], stats_b["plan_history"]),
+            "residual": (stats_a["residual_norm"], stats_b["residual_norm"])}
+
+
+@pytest.mark.timeout(180)
+def test_checkpoint_and_resume_during_a_trial_is_bit_exact(tmp_path):
+    results = run_ranks("test_hook_selection", "resume_in_trial_worker", world_size=2,
+                        ckpt_dir=str(tmp_path), first=11, total=46)
+    for r in results:
+        assert r["in_trial"] and r["resumed_in_trial"], r
+        assert r["winner"][0] == r["winner"][1] and r["winner"][0] != "optimal", r["winner"]
+        assert r["history"][0] == r["history"][1]
+        assert r["residual"][0] == r["residual"][1] > 0
+        assert r["identical"]
+
+
+def pinned_worker(rank, world_size, plan, steps):
+    model, ddp, state, opt = build(rank, fake_clock=False, plan=plan)
+    train_steps(ddp, opt, 0, steps, rank)
+    stats = state.stats()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    del ddp, state
+    gc.collect()
+    return {"params": params, "stats": stats}
+
+
+@pytest.mark.timeout(240)
+def test_a_pinned_plan_gives_bit_identical_training(tmp_path):
+    # a plan saved from a previous run (stats()["plan"]), through a JSON file
+    first = run_ranks("test_hook_selection", "selection_worker", world_size=2, steps=6,
+                      fake_clock=False, select="model")
+    saved = first[0]["stats"]["plan"]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(saved))
+    runs = [run_ranks("test_hook_selection", "pinned_worker", world_size=2, plan=str(path), steps=12)
+            for _ in range(2)]
+    for rank in range(2):
+        a, b = runs[0][rank], runs[1][rank]
+        assert a["params"].keys() == b["params"].keys()
+        assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+        for run in (a, b):
+            stats = run["stats"]
+            assert stats["total"]["replans"] == 0 and stats["total"]["trials"] == 0
+            assert stats["plan"]["group_keys"] == saved["group_keys"]
+            assert stats["plan"]["dense"] == saved["dense"]
+            assert [h["reason"] for h in stats["plan_history"]] == ["pinned"]
+            assert stats["plan_history"][0]["step"] == 2  # the end of the warm-up
+
+
+@pytest.mark.timeout(180)
+def test_an_omgs_plan_unit_plan_is_pinned_over_the_buckets():
+    plan = {"strategy": "optimal", "groups": [[0, 1], [2, 3, 4], [5]], "dense": [False, True, False],
+            "predicted_iteration_s": 0.01}
+    results = run_ranks("test_hook_selection", "pinned_worker", world_size=2, plan=plan, steps=8)
+    for r in results:
+        stats = r["stats"]
+        assert stats["plan"]["groups"] == plan["groups"] and stats["plan"]["dense"] == plan["dense"]
+        assert stats["last"]["groups"] == 3 and stats["last"]["dense_groups"] == 1
+        assert stats["total"]["replans"] == 0
+    assert results[0]["stats"]["plan"]["group_keys"] == results[1]["stats"]["plan"]["group_keys"]
+
+
+@pytest.mark.timeout(180)
+def test_a_pinned_plan_for_another_layout_is_refused():
+    plan = {"groups": [[0, 1], [2]]}  # three buckets; this model has six
+    results = run_ranks("test_hook_selection", "pinned_worker", world_size=2, plan=plan, steps=8,
+                        allow_failure=True)
+    for r in results:
+        assert "plan: the pinned plan has 3 buckets" in r["error"], r
+
+
+def background_worker(rank, world_size, steps, slow_rank_sleep_s):
+    """Re-plans run on the planner thread; rank 1 plans slowly, yet switches with rank 0."""
+    import threading
+    import time
+
+    from omgs_hook import hook as hook_mod
+
+    threads = []
+    original = hook_mod.planner_mod.make_plan
+
+    def make_plan(*args, **kwargs):
+        threads.append(threading.current_thread() is threading.main_thread())
+        if rank == 1:
+            time.sleep(slow_rank_sleep_s)
+        return original(*args, **kwargs)
+
+    hook_mod.planner_mod.make_plan = make_plan
+    model, ddp, state, opt = build(rank, fake_clock=False, select="model", replan_every=4)
+    submitted, applied = [], []
+    submit, apply = state._submit_plan_job, state._apply_plan_result
+
+    def record_submit(job):
+        submitted.append(state.step)
+        submit(job)
+
+    def record_apply(result):
+        applied.append(state.step)
+        apply(result)
+
+    state._submit_plan_job, state._apply_plan_result = record_submit, record_apply
+    train_steps(ddp, opt, 0, steps, rank)
+    stats = state.stats()
+    del ddp, state
+    gc.collect()
+    hook_mod.planner_mod.make_plan = original
+    return {"on_main_thread": threads, "submitted": submitted, "applied": applied,
+            "wait": stats["planner_wait_s"], "replans": stats["total"]["replans"]}
+
+
+@pytest.mark.timeout(180)
+def test_re_planning_runs_off_the_autograd_thread_and_every_rank_switches_at_the_same_step():
+    results = run_ranks("test_hook_selection", "background_worker", world_size=2, steps=14,
+                        slow_rank_sleep_s=1.0)
+    fast, slow = results
+    assert fast["on_main_thread"] and not any(fast["on_main_thread"] + slow["on_main_thread"])
+    # gathered at the end of step 1 (self.step == 2), in use from step 4; then periodic
+    assert fast["submitted"][:2] == [2, 8] and fast["applied"][:2] == [4, 10]
+    assert slow["submitted"] == fast["submitted"] and slow["applied"] == fast["applied"]
+    assert all(a == s + 2 for s, a in zip(fast["submitted"], fast["applied"]))
+    # the slow planner made its own rank wait at the agreed step rather than switch later
+    assert slow["wait"] > 0 and fast["replans"] == slow["replans"] == len(fast["submitted"])

@@ -1,0 +1,253 @@
+"""The pure logic of measured plan selection: candidates, the trial schedule, the decision."""
+
+import itertools
+import math
+import random
+import statistics
+
+import pytest
+
+from omgs_hook import planner
+from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit
+from omgs_hook.plan_selection import (
+    MAX_CANDIDATES, MEASURE_STEPS, SETTLE_STEPS, Candidate, Trial, dedupe, model_candidates,
+    neighbour_plans, summary_of,
+)
+
+
+def instance(dense=True, units=6, slow_network=False):
+    layers = tuple(Unit(numel=1000 * (i + 1) ** 2, backward_s=0.001 * (1 + i % 3))
+                   for i in range(units))
+    comm = LinearCost(alpha_s=0.004 if slow_network else 0.0005, beta_s_per_byte=2e-8)
+    return Instance(layers=layers, world_size=2, density=0.01, forward_s=0.002, comm=comm,
+                    topk=TopkCost(c0=1e-4, c1=2e-9, c2=0.0),
+                    dense=LinearCost(alpha_s=0.0005, beta_s_per_byte=1e-9) if dense else None,
+                    tail_s=0.001)
+
+
+def cand(name, groups, dense=None, predicted=1.0):
+    groups = tuple(tuple(g) for g in groups)
+    return Candidate(name, groups, tuple(dense or [False] * len(groups)), predicted)
+
+
+def run_round(trial, step_times, first_step=None):
+    """Drive one round as the hook does: times[rank][candidate index] -> seconds per step.
+    Returns the step after the round (where finish_round was called)."""
+    step = trial.round_start if first_step is None else first_step
+    ranks = len(step_times)
+    rows = [None] * ranks
+    locals_ = []
+    while not trial.round_complete(step):
+        index = trial.candidate_at(step)
+        assert index is not None
+        locals_.append(index)
+        step += 1
+    # each rank records its own durations (one Trial object per rank in the hook; here
+    # the same object is refilled per rank)
+    start = trial.round_start
+    for r in range(ranks):
+        trial.local = trial._empty_local()
+        for s in range(start, step):
+            trial.record(s, step_times[r][trial.candidate_at(s)])
+        rows[r] = trial.local_row()
+    return step, rows
+
+
+# ----------------------------------------------------------------------------- candidates
+def test_dedupe_keeps_the_first_of_equal_plans_and_the_limit():
+    a = cand("a", [[0, 1]])
+    b = cand("b", [[0, 1]])  # same plan, other name
+    c = cand("c", [[0], [1]])
+    d = cand("d", [[0], [1]], [True, True])
+    assert [x.name for x in dedupe([a, b, c, d])] == ["a", "c", "d"]
+    assert [x.name for x in dedupe([a, b, c, d], limit=2)] == ["a", "c"]
+
+
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("slow", [True, False])
+def test_model_candidates_for_optimal(dense, slow):
+    inst = instance(dense=dense, slow_network=slow)
+    got = model_candidates(inst, "optimal", prune_factor=math.inf)
+    model = planner.make_plan(inst, "optimal")
+    assert got[0].key == (model.groups, model.dense) and got[0].name == "optimal"
+    assert len({c.key for c in got}) == len(got) <= MAX_CANDIDATES
+    sparse = inst if not dense else Instance(**{**inst.__dict__, "dense": None})
+    expected = {("optimal-sparse",) : planner.make_plan(sparse, "optimal")}
+    for name in ("single", "layerwise", "greedy"):
+        expected[(name,)] = planner.make_plan(sparse, name)
+    keys = {c.key for c in got}
+    for (name,), plan in expected.items():
+        assert (plan.groups, plan.dense) in keys, name
+    all_dense = (tuple((u,) for u in range(inst.num_units)), (True,) * inst.num_units)
+    assert (all_dense in keys) == dense
+    for c in got:  # predictions are the model's own for that plan
+        p = planner.evaluate(inst if any(c.dense) else sparse, c.groups, c.dense)
+        assert c.predicted_s == pytest.approx(p.predicted_iteration_s, rel=1e-12)
+    if not dense:
+        assert not any(any(c.dense) for c in got)
+
+
+def test_model_candidates_prune_hopeless_plans_but_never_the_model_choice():
+    inst = instance(dense=False, slow_network=True)
+    everything = model_candidates(inst, "optimal", prune_factor=math.inf)
+    best = min(c.predicted_s for c in everything)
+    pruned = model_candidates(inst, "optimal", prune_factor=1.05)
+    assert pruned[0] == everything[0]
+    assert all(c.predicted_s <= 1.05 * best for c in pruned[1:])
+    assert len(pruned) < len(everything)
+
+
+def test_other_strategies_compare_only_their_own_modes():
+    inst = instance(dense=True)
+    for strategy in ("single", "layerwise", "greedy", "threshold:20000"):
+        got = model_candidates(inst, strategy)
+        model = planner.make_plan(inst, strategy)
+        assert got[0].key == (model.groups, model.dense)
+        assert all(c.groups == model.groups for c in got)
+        assert len(got) == (2 if any(model.dense) else 1)
+    assert len(model_candidates(instance(dense=False), "layerwise")) == 1
+
+
+def test_neighbour_plans_are_the_best_merge_and_the_best_split():
+    inst = instance(dense=False, units=5)
+    for groups in [((0,), (1, 2), (3, 4)), ((0, 1, 2, 3, 4),), tuple((u,) for u in range(5))]:
+        got = dict(neighbour_plans(inst, groups))
+
+        def time(gs):
+            return planner.evaluate(inst, gs, [False] * len(gs)).predicted_iteration_s
+
+        g = len(groups)
+        merges = [groups[:i] + (groups[i] + groups[i + 1],) + groups[i + 2:] for i in range(g - 1)]
+        splits = [groups[:i] + (grp[:j], grp[j:]) + groups[i + 1:]
+                  for i, grp in enumerate(groups) for j in range(1, len(grp))]
+        if merges:
+            assert got[f"{g - 1}-groups"].predicted_iteration_s == min(map(time, merges))
+        else:
+            assert f"{g - 1}-groups" not in got
+        if splits:
+            assert got[f"{g + 1}-groups"].predicted_iteration_s == min(map(time, splits))
+        else:
+            assert f"{g + 1}-groups" not in got
+
+
+# ----------------------------------------------------------------------------- schedule
+def test_schedule_settles_then_measures_each_candidate_in_order():
+    cands = [cand("a", [[0]]), cand("b", [[0]], [True]), cand("c", [[0]], [False])]
+    trial = Trial(cands[:2] + [cand("c", [[0, 1]])], start_step=10, settle=1, measure=3)
+    per = 4
+    assert [trial.candidate_at(s) for s in range(9, 10 + 3 * per + 1)] == (
+        [None] + [0] * per + [1] * per + [2] * per + [None])
+    assert trial.round_end == 22 and not trial.round_complete(21) and trial.round_complete(22)
+    # only counted steps are kept; settle steps and steps outside the round are ignored
+    for s in range(5, 30):
+        trial.record(s, float(s))
+    assert trial.local_row() == [11.0, 12.0, 13.0, 15.0, 16.0, 17.0, 19.0, 20.0, 21.0]
+
+
+def test_trial_budget_bound():
+    trial = Trial([cand(str(i), [[0]] * 1, [bool(i % 2)]) for i in range(MAX_CANDIDATES)], 0)
+    assert trial.max_steps() == (MAX_CANDIDATES + 2) * (SETTLE_STEPS + MEASURE_STEPS)
+    assert trial.max_steps() <= 36  # the documented bound: under 4% of a 1000-step run
+
+
+def test_bad_trial_arguments():
+    with pytest.raises(ValueError):
+        Trial([], 0)
+    with pytest.raises(ValueError):
+        Trial([cand("a", [[0]])], 0, measure=0)
+    trial = Trial([cand("a", [[0]]), cand("b", [[0, 1]])], 0)
+    with pytest.raises(ValueError, match="rows of 6"):
+        trial.finish_round([[1.0] * 5], 8)
+
+
+# ----------------------------------------------------------------------------- decision
+def three():
+    return [cand("model", [[0, 1]]), cand("sparse", [[0], [1]]), cand("dense", [[0], [1]], [True, True])]
+
+
+def test_the_slowest_rank_decides_and_the_model_choice_can_lose():
+    # rank 0 alone would keep the model's choice; rank 1 is slow under it, so the step
+    # (which waits for rank 1) is slow, and "sparse" wins
+    trial = Trial(three(), 0)
+    step, rows = run_round(trial, [[1.0, 1.2, 1.5], [2.0, 1.3, 1.6]])
+    assert trial.finish_round(rows, step) == 1 and trial.done
+    assert trial.measured_s(0) == 2.0 and trial.measured_s(1) == 1.3
+    report = trial.report()
+    assert report["winner"] == "sparse" and [c["winner"] for c in report["candidates"]] == [False, True, False]
+    assert "*sparse" in summary_of(report) and trial.candidate_at(step) is None
+
+
+def test_same_rows_same_decision_whatever_each_rank_clock_reads():
+    """Each rank decides from the gathered rows alone; permuting or re-basing the ranks'
+    clocks (an offset) changes nothing, a rank whose clock runs fast changes the maximum
+    the same way for everyone."""
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randint(1, 5)
+        ranks = rng.randint(1, 4)
+        times = [[rng.choice([1.0, 1.01, 1.3, 2.0]) * (1 + 0.5 * r) for _ in range(n)]
+                 for r in range(ranks)]
+        cands = [cand(f"c{i}", [[0]] * 1, [i % 2 == 1]) if i < 2 else cand(f"c{i}", [[0, i]])
+                 for i in range(n)]
+        decisions = []
+        for order in itertools.islice(itertools.permutations(range(ranks)), 3):
+            trial = Trial(cands, 7)
+            step, rows = run_round(trial, [times[r] for r in order])
+            winner = trial.finish_round(rows, step)
+            while winner is None:
+                step2, rows2 = run_round(trial, [times[r] for r in order])
+                winner = trial.finish_round(rows2, step2)
+            decisions.append((winner, trial.report()))
+        assert all(d == decisions[0] for d in decisions)
+        slowest = [max(times[r][i] for r in range(ranks)) for i in range(n)]
+        assert decisions[0][0] == min(range(n), key=lambda i: (slowest[i], i))
+
+
+def test_near_ties_are_measured_once_more_and_decided_on_both_rounds():
+    trial = Trial(three(), 0, near_tie=0.02, max_remeasure=2)
+    step, rows = run_round(trial, [[1.00, 1.015, 1.019]])  # all within 2% of the best
+    assert trial.finish_round(rows, step) is None and not trial.done
+    assert trial.rounds[1] == [0, 1]  # the best two, in index order
+    assert trial.round_start == step and trial.candidate_at(step) == 0
+    assert trial.candidate_at(step + 4) == 1 and trial.round_end == step + 8
+    # the second round reverses the order: over both rounds "sparse" is faster
+    step2, rows2 = run_round(trial, [[1.05, 1.0, 9.9]])
+    assert trial.finish_round(rows2, step2) == 1
+    assert trial.measured_s(1) == statistics.median([1.015] * 3 + [1.0] * 3)
+    assert trial.report()["remeasured"] == ["model", "sparse"]
+
+
+def test_exact_ties_go_to_the_model_choice_and_no_second_re_measure():
+    trial = Trial(three(), 0)
+    step, rows = run_round(trial, [[1.0, 1.0, 3.0]])
+    assert trial.finish_round(rows, step) is None
+    step, rows = run_round(trial, [[1.0, 1.0]])
+    assert trial.finish_round(rows, step) == 0  # a tie again: decided, the lower index
+
+
+def test_missing_samples_are_ignored():
+    nan = math.nan
+    trial = Trial(three()[:2], 0, measure=3)
+    # rank 0 missed the first counted step of candidate 0 (a resume); rank 1 has it all
+    rows = [[nan, 1.0, 1.0, 2.0, 2.0, 2.0], [1.1, 1.1, 1.1, 2.1, 2.1, 2.1]]
+    assert trial.finish_round(rows, 8) == 0
+    assert trial.samples[0] == [1.1, 1.1, 1.1]
+    trial = Trial(three()[:2], 0, measure=2)
+    # no rank measured candidate 0 at all: it cannot win
+    assert trial.finish_round([[nan, nan, 3.0, 3.0]], 8) == 1
+    assert trial.report()["candidates"][0]["measured_s"] is None
+
+
+def test_state_dict_round_trip_mid_trial_continues_identically():
+    times = [[1.0, 1.01, 1.5], [1.2, 1.19, 1.4]]
+    reference = Trial(three(), 5)
+    step, rows = run_round(reference, times)
+    reference.finish_round(rows, step)  # a near-tie: round 1 starts
+    saved = reference.state_dict()
+    restored = Trial.from_state_dict(saved)
+    assert restored.state_dict() == saved
+    outcomes = []
+    for trial in (reference, restored):
+        step2, rows2 = run_round(trial, times)
+        outcomes.append((trial.finish_round(rows2, step2), trial.report()))
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] is not None
