@@ -1,0 +1,69 @@
+"""OMGS-SGD in Lightning: a ``DDPStrategy`` that registers the hook on the DDP model.
+
+Use::
+
+    from omgs_hook.lightning import OMGSStrategy
+    strategy = OMGSStrategy(omgs_options={"density": 0.001, "profile": "profile.json"},
+                            process_group_backend="gloo", bucket_cap_mb=1)
+    trainer = lightning.pytorch.Trainer(accelerator="cpu", devices=2, strategy=strategy)
+    trainer.fit(model)
+    print(strategy.omgs_state.stats()["total"])
+
+Why a strategy of its own: Lightning's ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``
+registers a communication hook only when the device is CUDA - on the CPU it silently
+trains with plain all-reduce. There (on CUDA) it works with ``OMGSState(...)`` built
+without a module, at a cost: residuals are named ``param0, param1, ...`` in bucket order
+instead of by parameter name, and the forward pass is not timed (the planner then sees
+forward as 0 s, which shifts every plan's prediction by the same amount). ``OMGSStrategy``
+calls :func:`omgs_hook.register` on the wrapped model instead, on every device, so names
+and forward timing work; its options are validated when the strategy is built, before
+any process is started.
+
+Residuals are per rank: Lightning's checkpoints (written by rank 0) do not carry them.
+Save ``strategy.omgs_state.state_dict()`` on every rank if a run must resume bit-exactly.
+
+Needs the ``lightning`` extra (``pip install 'omgs-hook[lightning]'``).
+"""
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from .hook import OMGSState, register
+
+
+class OMGSStrategy(DDPStrategy):
+    """``DDPStrategy`` with the OMGS hook registered on the ``DistributedDataParallel`` model.
+
+    Args:
+        omgs_options (dict): options of :class:`omgs_hook.OMGSState` (``density``,
+            ``profile``, ``strategy``, ...); validated here, ``process_group`` and
+            ``module`` are supplied.
+        **ddp_kwargs: everything ``DDPStrategy`` takes (``process_group_backend``,
+            ``bucket_cap_mb`` and other ``DistributedDataParallel`` arguments), except
+            ``ddp_comm_state``/``ddp_comm_hook``/``ddp_comm_wrapper``.
+
+    Attributes:
+        omgs_state: the :class:`omgs_hook.OMGSState` once training started (None before).
+    """
+
+    strategy_name = "omgs_ddp"
+
+    def __init__(self, omgs_options=None, **ddp_kwargs):
+        for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"):
+            if ddp_kwargs.get(name) is not None:
+                raise ValueError(f"OMGSStrategy registers the OMGS hook itself; do not pass {name}")
+        if omgs_options is not None and not isinstance(omgs_options, dict):
+            raise TypeError(f"omgs_options must be a dict, got {type(omgs_options).__name__}")
+        self.omgs_options = dict(omgs_options or {})
+        for name in ("module", "process_group"):
+            if name in self.omgs_options:
+                raise ValueError(f"omgs_options: {name} is supplied by the strategy")
+        OMGSState(**self.omgs_options).close()  # bad options fail now, with the option named
+        super().__init__(**ddp_kwargs)
+        self.omgs_state = None
+
+    def _register_ddp_hooks(self):
+        # DDPStrategy.configure_ddp calls this right after wrapping the model in DDP;
+        # Lightning's own version registers hooks on CUDA only.
+        if self.omgs_state is not None:
+            self.omgs_state.close()
+        self.omgs_state = register(self.model, **self.omgs_options)
