@@ -72,3 +72,28 @@ def test_omgs_plan_plot_option(tmp_path, capsys):
     listed.write_text(json.dumps([_instance(5).to_dict()] * 2))
     assert cli_plan.main([str(listed), "--plot", str(out)]) == 2
     assert "one instance" in capsys.readouterr().err
+
+
+def test_measured_schedule_from_host_marks(tmp_path):
+    from omgs_hook.group_exchange import GroupRecord
+    from omgs_hook.timeline_plot import measured_schedule
+
+    layout = [("a", "b"), ("c",), ("d",)]
+    first = GroupRecord(("a", "b", "c"), False, 10, 1, 12, started=10.030)
+    first.issued, first.done = 10.032, 10.050
+    second = GroupRecord(("d",), True, 5, 5, 20, started=10.041)
+    second.issued, second.done = 10.041, 10.060
+    sched = measured_schedule(10.0, 10.010, [10.020, 10.030, 10.040], layout,
+                              [first, second], tail_end=10.070)
+    assert sched.forward == (0.0, pytest.approx(0.010))
+    assert [pytest.approx(x) for pair in sched.backward for x in pair] == [
+        0.010, 0.020, 0.020, 0.030, 0.030, 0.040]
+    assert sched.groups == ((0, 1), (2,)) and sched.dense == (False, True)
+    assert sched.selection[0] == (pytest.approx(0.030), pytest.approx(0.032))
+    assert sched.network[1] == (pytest.approx(0.041), pytest.approx(0.060))
+    assert sched.tail == (pytest.approx(0.060), pytest.approx(0.070))
+    pytest.importorskip("matplotlib")
+    from omgs_hook.timeline_plot import plot_timelines
+
+    plot_timelines([("measured", sched)], tmp_path / "m.png")
+    assert (tmp_path / "m.png").stat().st_size > 1000

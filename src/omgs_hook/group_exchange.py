@@ -24,16 +24,21 @@ from .residual_memory import CURRENT
 
 
 class GroupRecord:
-    """What was sent for one group (for stats and for tests' reference checks)."""
+    """What was sent for one group (for stats and for tests' reference checks), and when:
+    ``started`` (the hook began assembling it), ``issued`` (its collective was issued),
+    ``done`` (written back) - host ``perf_counter`` seconds, for the measured timeline."""
 
-    __slots__ = ("keys", "dense", "numel", "selected", "bytes")
+    __slots__ = ("keys", "dense", "numel", "selected", "bytes", "started", "issued", "done")
 
-    def __init__(self, keys, dense, numel, selected, nbytes):
+    def __init__(self, keys, dense, numel, selected, nbytes, started=None):
         self.keys = keys
         self.dense = dense
         self.numel = numel
         self.selected = selected
         self.bytes = nbytes
+        self.started = started
+        self.issued = None
+        self.done = None
 
 
 class StepExchange:
@@ -63,6 +68,7 @@ class StepExchange:
         self.raise_on_nonfinite = raise_on_nonfinite
 
         self.layout = []  # per bucket: tuple of parameter keys, in bucket order
+        self.arrival_wall = []  # per bucket: perf_counter() when the hook received it
         self.arrived = {}  # key -> (bucket index, flat gradient view)
         self.sent = set()  # keys already assigned to an issued group
         # Parameters without a .grad at hook time were unused by this rank's forward
@@ -99,6 +105,7 @@ class StepExchange:
     def add_bucket(self, bucket, keys, params):
         """Register bucket ``bucket`` (DDP GradBucket): its ``params`` have ``keys``."""
         index = len(self.layout)
+        self.arrival_wall.append(time.perf_counter())
         grads = bucket.gradients()
         buffer = bucket.buffer()
         self.layout.append(tuple(keys))
@@ -185,17 +192,19 @@ class StepExchange:
     def _send_dense_inplace(self, keys, numel, bucket_index):
         # No residual and exactly one bucket: average the bucket buffer in place, like
         # DDP's default hook (divide first so fp16 sums do not overflow).
+        started = time.perf_counter()
         buffer = self._buffers[bucket_index]
         buffer.div_(self.world_size)
-        record = GroupRecord(keys, True, numel, numel, numel * buffer.element_size())
+        record = GroupRecord(keys, True, numel, numel, numel * buffer.element_size(), started)
         self._issue(lambda: communicator.allreduce_async(buffer, self.process_group),
                     lambda: self._finish_dense(keys, buffer, segments=None), record)
 
     def _send_dense(self, keys, numel):
+        started = time.perf_counter()
         with _range("assemble", len(self.records)):
             buffers, segments = self._accumulate(keys, numel)
         acc = buffers.spare
-        record = GroupRecord(keys, True, numel, numel, 4 * numel)
+        record = GroupRecord(keys, True, numel, numel, 4 * numel, started)
         self._issue(lambda: communicator.allreduce_async(acc, self.process_group),
                     lambda: self._finish_dense(keys, acc, segments=segments), record)
 
@@ -224,7 +233,7 @@ class StepExchange:
             status = torch.logical_not(torch.isfinite(values)).any()
             payload = communicator.pack_sparse(values, indices, nonfinite=status)
             acc.index_fill_(0, indices, 0.0)  # what was sent leaves the residual
-        record = GroupRecord(keys, False, numel, k, communicator.payload_bytes(k))
+        record = GroupRecord(keys, False, numel, k, communicator.payload_bytes(k), started)
         gathered = []
 
         def start():
@@ -247,7 +256,7 @@ class StepExchange:
             group = self._issued
             self._issued += 1
             self.records.append(record)
-        issue_wall = time.perf_counter()
+        issue_wall = record.issued = time.perf_counter()
         with _range("collective", group) as span:
             future = start_collective()
             if span is not None:  # the range ends when the collective completes
@@ -260,6 +269,7 @@ class StepExchange:
                     self._comm_sample(record.bytes, issue_wall)
                 with _range("write_back", group):
                     finish()
+                record.done = time.perf_counter()
             except BaseException as exc:  # noqa: BLE001 - routed to the futures
                 self._fail(exc, group_finished=True)
                 return

@@ -20,14 +20,18 @@ LANES = ("compute", "selection", "network")
 def _bars(schedule: Schedule):
     """(lane, start, width, group or None, dense) for every interval of ``schedule``."""
     bars = [("compute", schedule.forward[0], schedule.forward[1] - schedule.forward[0], None, False)]
-    unit_group = {u: g for g, units in enumerate(schedule.groups) for u in units}
+    unit_group = {}
+    for g, units in enumerate(schedule.groups):
+        for u in units:
+            unit_group.setdefault(u, g)
     for u, (start, end) in enumerate(schedule.backward):
         bars.append(("compute", start, end - start, unit_group[u], False))
     for g, (start, end) in enumerate(schedule.selection):
         if end > start:
             bars.append(("selection", start, end - start, g, False))
     for g, (start, end) in enumerate(schedule.network):
-        bars.append(("network", start, end - start, g, schedule.dense[g]))
+        if end > start:
+            bars.append(("network", start, end - start, g, schedule.dense[g]))
     return bars
 
 
@@ -63,3 +67,49 @@ def plot_timelines(panels, path, title=None):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def measured_schedule(forward_start, forward_end, arrivals, layout, records, tail_end=None):
+    """A :class:`~omgs_hook.cost_model.Schedule` of one measured step, from host marks.
+
+    Args:
+        forward_start, forward_end: ``perf_counter`` seconds of the forward pass (the end
+            may be None: then backward starts at ``forward_start``).
+        arrivals: per bucket, when the hook received it (``StepExchange.arrival_wall``).
+        layout: per bucket, its parameter keys (``StepExchange.layout``).
+        records: the step's ``GroupRecord``s in send order (``started``/``issued``/``done``).
+        tail_end: when the next forward started (None: the last write-back).
+
+    Units are the step's buckets: bucket i's backward runs from the previous arrival (the
+    end of forward for bucket 0) to its own arrival, so it includes the hook's work on the
+    autograd thread, which the selection lane shows on top. On CUDA these are host
+    (launch) times.
+    """
+    origin = forward_start
+    begin = forward_end if forward_end is not None else forward_start
+    backward, previous = [], begin
+    for arrival in arrivals:
+        backward.append((previous - origin, arrival - origin))
+        previous = arrival
+    owner = {key: index for index, bucket in enumerate(layout) for key in bucket}
+    groups, selection, network, dense = [], [], [], []
+    for record in records:
+        units = sorted({owner[key] for key in record.keys if key in owner})
+        groups.append(tuple(units))
+        started = record.started if record.started is not None else record.issued
+        selection.append((started - origin, record.issued - origin))
+        network.append((record.issued - origin, record.done - origin))
+        dense.append(bool(record.dense))
+    # every bucket needs a group for its colour: buckets no record names get none
+    covered = {u for units in groups for u in units}
+    for u in range(len(arrivals)):
+        if u not in covered:
+            groups.append((u,))
+            selection.append((0.0, 0.0))
+            network.append((0.0, 0.0))
+            dense.append(False)
+    last = max([end for _, end in network] + [backward[-1][1] if backward else 0.0])
+    tail = tail_end - origin if tail_end is not None else last
+    return Schedule(forward=(0.0, begin - origin), backward=tuple(backward),
+                    selection=tuple(selection), network=tuple(network), groups=tuple(groups),
+                    dense=tuple(dense), tail=(last, max(last, tail)))
