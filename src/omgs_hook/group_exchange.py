@@ -57,7 +57,8 @@ class StepExchange:
     """
 
     def __init__(self, memory, selector, process_group, world_size, density,
-                 on_finished=None, on_comm_sample=None, raise_on_nonfinite=False):
+                 on_finished=None, on_comm_sample=None, raise_on_nonfinite=False,
+                 clip_per_sqrt_element=None, measure_health=False, track_staleness=False):
         self.memory = memory
         self.selector = selector
         self.process_group = process_group
@@ -66,6 +67,16 @@ class StepExchange:
         self.on_finished = on_finished
         self.on_comm_sample = on_comm_sample
         self.raise_on_nonfinite = raise_on_nonfinite
+        # DGC's local gradient clipping, per group: a group of D elements has its local
+        # gradient scaled to an L2 norm of at most clip_per_sqrt_element * sqrt(D)
+        self.clip_per_sqrt_element = clip_per_sqrt_element
+        # error-feedback health this step: per group (||local gradient||^2, ||residual||^2)
+        # as 0-d tensors (read lazily, so no host sync on the hot path)
+        self.measure_health = measure_health
+        self.health = []
+        # per sparse group: (keys, int32 ages) - steps since each element was last sent
+        self.track_staleness = track_staleness
+        self.staleness = []
 
         self.layout = []  # per bucket: tuple of parameter keys, in bucket order
         self.arrival_wall = []  # per bucket: perf_counter() when the hook received it
@@ -132,7 +143,7 @@ class StepExchange:
         self.sent.update(keys)
         numel = sum(self.arrived[key][1].numel() for key in keys)
         bucket_index = self.whole_bucket(keys) if dense else None
-        if bucket_index is not None and all(
+        if bucket_index is not None and self.clip_per_sqrt_element is None and all(
                 key in self.parked or self.memory.get(key) is None for key in keys):
             self._send_dense_inplace(keys, numel, bucket_index)
         elif dense:
@@ -162,7 +173,8 @@ class StepExchange:
 
     def _accumulate(self, keys, numel):
         """``spare = gradient + residual`` in the group's persistent buffer (fp32), one op
-        per contiguous run where the residual is the group's own; returns the buffers
+        per contiguous run where the residual is the group's own (the gradient first
+        scaled by the local clipping factor, when clipping is on); returns the buffers
         and the gradient segments."""
         device = self.arrived[keys[0]][1].device
         numels = [self.arrived[key][1].numel() for key in keys]
@@ -171,23 +183,49 @@ class StepExchange:
         sources = [None if key in self.parked else self.memory.residual_source(buffers, i, key)
                    for i, key in enumerate(keys)]
         segments = self._segments(keys)
+        factor, grad_sq = self._clip_factor(segments, numel)
+
+        def put(out, grad, residual):
+            if factor is None:
+                if residual is None:
+                    out.copy_(grad)
+                else:
+                    torch.add(grad, residual, out=out)
+            elif residual is None:
+                torch.mul(grad, factor, out=out)
+            else:
+                torch.addcmul(residual, grad, factor, out=out)
+
         if all(src is CURRENT for src in sources):
             for g_off, n, grad in segments:
-                torch.add(grad, current[g_off:g_off + n], out=spare[g_off:g_off + n])
+                put(spare[g_off:g_off + n], grad, current[g_off:g_off + n])
         elif all(src is None for src in sources):
             for g_off, n, grad in segments:
-                spare[g_off:g_off + n].copy_(grad)
+                put(spare[g_off:g_off + n], grad, None)
         else:  # mixed (after a plan change, a load, or parked parameters): per parameter
             for i, key in enumerate(keys):
                 o, n = buffers.offsets[i], numels[i]
-                grad = self.arrived[key][1]
                 src = sources[i]
-                if src is None:
-                    spare[o:o + n].copy_(grad)
-                else:
-                    residual = current[o:o + n] if src is CURRENT else src
-                    torch.add(grad, residual, out=spare[o:o + n])
+                residual = None if src is None else (current[o:o + n] if src is CURRENT else src)
+                put(spare[o:o + n], self.arrived[key][1], residual)
+        if self.measure_health:
+            if grad_sq is None:
+                grad_sq = _sum_of_squares(segments)
+            if factor is not None:
+                grad_sq = grad_sq * factor.square()
+            self.health.append([grad_sq, None])
         return buffers, segments
+
+    def _clip_factor(self, segments, numel):
+        """(min(1, threshold / ||local gradient||) as a 0-d tensor, ||gradient||^2), or
+        (None, None) when clipping is off. NaN/inf gradients give a NaN factor, so the
+        non-finite check still sees them."""
+        if self.clip_per_sqrt_element is None:
+            return None, None
+        grad_sq = _sum_of_squares(segments)
+        threshold = self.clip_per_sqrt_element * numel ** 0.5
+        factor = (threshold / grad_sq.sqrt().clamp_min(1e-30)).clamp(max=1.0)
+        return factor, grad_sq
 
     def _send_dense_inplace(self, keys, numel, bucket_index):
         # No residual and exactly one bucket: average the bucket buffer in place, like
@@ -204,6 +242,10 @@ class StepExchange:
         with _range("assemble", len(self.records)):
             buffers, segments = self._accumulate(keys, numel)
         acc = buffers.spare
+        if self.measure_health:
+            self.health[-1][1] = acc.new_zeros(())  # everything is sent
+        if self.track_staleness:
+            self.memory.group_ages(buffers).zero_()
         record = GroupRecord(keys, True, numel, numel, 4 * numel, started)
         self._issue(lambda: communicator.allreduce_async(acc, self.process_group),
                     lambda: self._finish_dense(keys, acc, segments=segments), record)
@@ -233,6 +275,13 @@ class StepExchange:
             status = torch.logical_not(torch.isfinite(values)).any()
             payload = communicator.pack_sparse(values, indices, nonfinite=status)
             acc.index_fill_(0, indices, 0.0)  # what was sent leaves the residual
+        if self.measure_health:
+            self.health[-1][1] = acc.square().sum()
+        if self.track_staleness:
+            ages = self.memory.group_ages(buffers)
+            ages.add_(1)
+            ages.index_fill_(0, indices, 0)
+            self.staleness.append((keys, ages))
         record = GroupRecord(keys, False, numel, k, communicator.payload_bytes(k), started)
         gathered = []
 
@@ -391,6 +440,12 @@ def _range(stage, group):
     if not torch.autograd._profiler_enabled():
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"omgs/{stage}[g{group}]")
+
+
+def _sum_of_squares(segments):
+    """Sum of squares of the gradient runs, in fp32, as a 0-d tensor (no host sync)."""
+    norms = [torch.linalg.vector_norm(grad, dtype=torch.float32) for _, _, grad in segments]
+    return torch.stack(norms).square().sum()
 
 
 def _offset_in(grad, buffer):

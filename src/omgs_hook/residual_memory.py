@@ -50,7 +50,7 @@ class GroupBuffers:
     when the memory says so), ``spare`` is where a step assembles ``gradient + residual``.
     """
 
-    __slots__ = ("keys", "numels", "offsets", "numel", "_buffers", "_views", "_current")
+    __slots__ = ("keys", "numels", "offsets", "numel", "_buffers", "_views", "_current", "ages")
 
     def __init__(self, keys, numels, device):
         self.keys = tuple(keys)
@@ -66,6 +66,7 @@ class GroupBuffers:
             tuple(buf[o:o + n] for o, n in zip(self.offsets, self.numels)) for buf in self._buffers
         ]
         self._current = 0
+        self.ages = None  # int32 steps since each element was sent (track_staleness only)
 
     @property
     def device(self):
@@ -111,6 +112,7 @@ class ResidualMemory:
         self._staged = {}  # key -> flat tensor or None ("zero")
         self._staged_groups = []  # GroupBuffers to swap at commit, with the keys they take
         self._groups = {}  # keys tuple -> GroupBuffers
+        self._ages = {}  # key -> int32 ages of its elements (a slice of a group's ``ages``)
         self._used = set()  # keys tuples whose buffers this step used
         self._lock = threading.Lock()
 
@@ -159,6 +161,24 @@ class ResidualMemory:
                 if tensor is not None and buffers.in_spare(tensor):
                     self._residuals[key] = tensor.clone()
         return buffers
+
+    def group_ages(self, buffers):
+        """The group's int32 staleness counters (steps since each element was last sent),
+        created on first use from the parameters' counters in their previous groups."""
+        if buffers.ages is None:
+            ages = torch.zeros(buffers.numel, dtype=torch.int32, device=buffers.device)
+            with self._lock:
+                for key, o, n in zip(buffers.keys, buffers.offsets, buffers.numels):
+                    old = self._ages.get(key)
+                    if old is not None:
+                        ages[o:o + n].copy_(old)
+                    self._ages[key] = ages[o:o + n]
+            buffers.ages = ages
+        return buffers.ages
+
+    def ages(self):
+        """``{key: int32 ages}`` of every parameter with staleness counters."""
+        return dict(self._ages)
 
     def residual_source(self, buffers, index, key):
         """Where key ``index`` of ``buffers``' group reads its residual from this step:
