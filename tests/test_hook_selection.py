@@ -112,6 +112,14 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
     assert history[-1]["reason"] == "trial winner" and history[-1]["strategy"] == winner
     assert stats[0]["total"]["trials"] == 1 and stats[0]["total"]["replans"] == 1
     assert stats[0]["step_s"] is not None
+    # the model is refitted from the trial, identically on every rank; the refit predicts
+    # the candidates better than the model did
+    correction = stats[0]["cost_correction"]
+    assert correction is not None and correction == stats[1]["cost_correction"]
+    assert correction == report["correction"]
+    before = sum((c["measured_s"] - c["predicted_s"]) ** 2 for c in report["candidates"])
+    after = sum((c["measured_s"] - c["refit_s"]) ** 2 for c in report["candidates"])
+    assert after < before
 
 
 @pytest.mark.timeout(180)

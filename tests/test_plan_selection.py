@@ -10,8 +10,8 @@ import pytest
 from omgs_hook import planner
 from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit
 from omgs_hook.plan_selection import (
-    MAX_CANDIDATES, MEASURE_STEPS, SETTLE_STEPS, Candidate, Trial, dedupe, model_candidates,
-    neighbour_plans, summary_of,
+    MAX_CANDIDATES, MEASURE_STEPS, SETTLE_STEPS, Candidate, Correction, Trial, dedupe,
+    fit_correction, model_candidates, neighbour_plans, plan_features, summary_of,
 )
 
 
@@ -251,3 +251,50 @@ def test_state_dict_round_trip_mid_trial_continues_identically():
         step2, rows2 = run_round(trial, times)
         outcomes.append((trial.finish_round(rows2, step2), trial.report()))
     assert outcomes[0] == outcomes[1] and outcomes[0][0] is not None
+
+
+# ----------------------------------------------------------------------------- correction
+NUMELS = [100, 200, 300, 400]
+PLANS = [([[0, 1, 2, 3]], [False]), ([[0], [1], [2], [3]], [False] * 4),
+         ([[0], [1], [2], [3]], [True, False, True, False]), ([[0, 1], [2, 3]], [True, False]),
+         ([[0], [1, 2, 3]], [False, True])]
+
+
+def entries(truth, predicted=0.05, plans=PLANS, measured=True):
+    out = []
+    for groups, dense in plans:
+        extra = truth.extra_s(*plan_features(groups, dense, NUMELS))
+        out.append({"groups": groups, "dense": dense, "predicted_s": predicted,
+                    "measured_s": predicted + extra if measured else None})
+    return out
+
+
+def test_plan_features():
+    assert plan_features([[0, 1], [2, 3]], [True, False], NUMELS) == (300, 1)
+    assert plan_features([[0, 1, 2, 3]], [False], NUMELS) == (0, 1)
+
+
+def test_fit_correction_recovers_the_extra_cost_of_dense_elements_and_groups():
+    truth = Correction(constant_s=0.004, dense_s_per_element=2e-6, sparse_group_s=0.001)
+    got = fit_correction(entries(truth), NUMELS)
+    assert got.points == len(PLANS)
+    assert got.constant_s == pytest.approx(0.004, rel=1e-9)
+    assert got.dense_s_per_element == pytest.approx(2e-6, rel=1e-9)
+    assert got.sparse_group_s == pytest.approx(0.001, rel=1e-9)
+    assert Correction.from_dict(got.to_dict()) == got
+
+
+def test_fit_correction_drops_what_it_cannot_tell_apart():
+    # no dense plan measured: the dense term is not identifiable and stays zero
+    sparse_only = [p for p in PLANS if not any(p[1])]
+    truth = Correction(constant_s=0.002, sparse_group_s=0.0005)
+    got = fit_correction(entries(truth, plans=sparse_only), NUMELS)
+    assert got.dense_s_per_element == 0.0
+    assert got.constant_s == pytest.approx(0.002) and got.sparse_group_s == pytest.approx(0.0005)
+    # dense groups that measured *faster* than predicted: contention is never negative
+    got = fit_correction(entries(Correction(constant_s=0.01, dense_s_per_element=-1e-6)), NUMELS)
+    assert got.dense_s_per_element == 0.0
+    # one point: the constant alone; none measured: nothing to fit
+    one = fit_correction(entries(Correction(constant_s=0.003), plans=PLANS[:1]), NUMELS)
+    assert one == Correction(constant_s=pytest.approx(0.003), points=1)
+    assert fit_correction(entries(Correction(), measured=False), NUMELS) is None

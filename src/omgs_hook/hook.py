@@ -266,6 +266,9 @@ class OMGSState:
             plans between steps changes no result); what a trial costs is the slower
             candidates' extra time over those steps. One small all-gather per
             measuring round (two when near-ties are re-measured), from the hook.
+            The trial's measurements also refit the model (a constant, seconds per
+            element sent dense, seconds per sparse group: ``stats()["cost_correction"]``)
+            for the later re-plans.
         plan: pin the plan: a plan saved from a previous run (``state.stats()["plan"]``,
             ``state.state_dict()`` or its ``"plan"``), the output of ``omgs-plan`` (groups
             of bucket indices, adopted at the end of the warm-up; the layout must have
@@ -389,6 +392,7 @@ class OMGSState:
         self._last_trial = None
         self._model_key = None
         self._retrial_steps = 0
+        self._correction = None  # plan_selection.Correction fitted from the last trial
         self._plan_history = []
         self._planner = BackgroundPlanner()
         self._plan_job = None  # the inputs of the plan being computed (plain values)
@@ -711,7 +715,7 @@ class OMGSState:
             if winner is not None:
                 self.plan = dataclasses.replace(self._trial_plans[winner], made_at_step=self.step)
                 self._note_plan("trial winner")
-                self._last_trial = trial.report()
+                self._last_trial = self._refit_from_trial(trial)
                 if trial.reason == "periodic":
                     self._retrial_steps += self.step - trial.start_step
                 self._totals["trials"] += 1
@@ -723,6 +727,27 @@ class OMGSState:
         if index is not None and self.plan != self._trial_plans[index]:
             self.plan = self._trial_plans[index]
             self._note_plan("trial")
+
+    def _refit_from_trial(self, trial):
+        """The finished trial's report, with the model's correction fitted from it (the
+        same on every rank: the report is made of gathered numbers) for the next
+        re-plans, and each candidate's prediction under it (``"refit_s"``)."""
+        report = trial.report()
+        numels = [sum(math.prod(self._shapes[k]) for k in bucket) for bucket in self._trial_layout]
+        step = plan_selection.fit_correction(report["candidates"], numels)
+        if step is not None:
+            for entry in report["candidates"]:
+                entry["refit_s"] = entry["predicted_s"] + step.extra_s(
+                    *plan_selection.plan_features(entry["groups"], entry["dense"], numels))
+            # the candidates were predicted with the previous correction: add the new one
+            old = self._correction or plan_selection.Correction()
+            self._correction = plan_selection.Correction(
+                constant_s=old.constant_s + step.constant_s,
+                dense_s_per_element=old.dense_s_per_element + step.dense_s_per_element,
+                sparse_group_s=old.sparse_group_s + step.sparse_group_s,
+                points=step.points)
+        report["correction"] = self._correction.to_dict() if self._correction is not None else None
+        return report
 
     def _start_trial_from(self, trial):
         self._trial = trial
@@ -793,6 +818,16 @@ class OMGSState:
             comm = LinearCost(alpha_s=comm.alpha_s + wb_group,
                               beta_s_per_byte=comm.beta_s_per_byte + per_byte)
         numels = [sum(math.prod(self._shapes[k]) for k in bucket) for bucket in layout]
+        dense = self.profile.dense if self.allow_dense else None
+        topk_c0 = topk.c0 + per_group
+        correction = self._correction if self.select == "measured" else None
+        if correction is not None:
+            # what the last trial measured beyond the model (plan_selection.Correction)
+            tail_s = max(0.0, tail_s + correction.constant_s)
+            topk_c0 = max(0.0, topk_c0 + correction.sparse_group_s)
+            if dense is not None:
+                dense = LinearCost(alpha_s=dense.alpha_s, beta_s_per_byte=max(
+                    0.0, dense.beta_s_per_byte + correction.dense_s_per_element / 4))
         instance = Instance(
             layers=tuple(Unit(numel=u, backward_s=b) for u, b in zip(numels, backward_s)),
             world_size=self.world_size,
@@ -800,13 +835,14 @@ class OMGSState:
             forward_s=forward_s,
             comm=comm,
             # a sparse group's work on the compute stream has top-k's form: fixed + per element
-            topk=TopkCost(c0=topk.c0 + per_group, c1=topk.c1 + per_element, c2=topk.c2),
-            dense=self.profile.dense if self.allow_dense else None,
+            topk=TopkCost(c0=topk_c0, c1=topk.c1 + per_element, c2=topk.c2),
+            dense=dense,
             tail_s=tail_s,
         )
         inputs = {"forward_s": forward_s, "tail_s": tail_s, "group_overhead_s": per_group,
                   "group_overhead_s_per_element": per_element,
                   "overhead_measured": overhead_known,
+                  "correction": correction.to_dict() if correction is not None else None,
                   "writeback_s": wb_group, "writeback_s_per_element": wb_element,
                   "comm_override": network if network is not self.profile.comm else None}
         return instance, inputs
@@ -1008,7 +1044,10 @@ class OMGSState:
         of the next, on the host clock; needs ``module``; what
         ``"predicted_iteration_s"`` predicts), ``"step_s"`` (this rank's seconds
         between the last two arrivals of bucket 0: a whole iteration, the trial's
-        measure; works without ``module``), ``"planner_wait_s"`` (how long the last
+        measure; works without ``module``), ``"cost_correction"`` (what the last
+        trial measured beyond the model - a constant, seconds per densely sent element,
+        seconds per sparse group - added to the model at later re-plans;
+        :class:`~omgs_hook.plan_selection.Correction`), ``"planner_wait_s"`` (how long the last
         switch to a background-computed plan waited for the planner thread: the stall
         re-planning cost that step) and ``"planned_with"`` (the forward, tail and
         per-group overhead the last plan was made with).
@@ -1043,6 +1082,7 @@ class OMGSState:
             "measured_iteration_s": self.meter.last_iteration_s,
             "step_s": self._last_step_s,
             "planner_wait_s": self._planner.last_wait_s,
+            "cost_correction": self._correction.to_dict() if self._correction is not None else None,
             "plan_history": [dict(e) for e in self._plan_history],
             "selection": {
                 "select": self.select,
@@ -1116,6 +1156,7 @@ class OMGSState:
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if self._model_key is not None else None),
             "retrial_steps": self._retrial_steps,
+            "correction": self._correction.to_dict() if self._correction is not None else None,
             "plan_history": [dict(e) for e in self._plan_history],
             "plan_job": self._plan_job,
         }
@@ -1173,6 +1214,8 @@ class OMGSState:
         self._model_key = ((tuple(tuple(g) for g in key[0]), tuple(bool(d) for d in key[1]))
                            if key else None)
         self._retrial_steps = int(sd.get("retrial_steps", 0))
+        self._correction = (plan_selection.Correction.from_dict(sd["correction"])
+                            if sd.get("correction") else None)
         self._plan_history = [dict(e) for e in sd.get("plan_history") or []]
         self._bucket0 = None
         self._planner.cancel()

@@ -334,3 +334,98 @@ def summary_of(report):
         mark = "*" if entry["winner"] else ""
         parts.append(f"{mark}{entry['name']} {entry['predicted_s'] * 1e3:.1f}/{measured}")
     return "trial (predicted/measured ms): " + ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- correction
+@dataclasses.dataclass(frozen=True)
+class Correction:
+    """What a step costs beyond the model, fitted from a trial's measured candidates.
+
+    ``measured - predicted ~= constant_s + dense_s_per_element * E_dense
+    + sparse_group_s * G_sparse`` per step, where ``E_dense`` is the number of gradient
+    elements a plan sends dense and ``G_sparse`` its number of sparse groups. On CPU the
+    dense term is the all-reduce's contention with backward (gloo reduces on the same
+    cores), which the model counts as free overlap; the group term is what each sparse
+    group costs beyond the profile's top-k and the measured overhead; the constant is
+    the tail the model misses. The hook adds these to the instance it plans with:
+    ``tail_s += constant_s``, the dense cost's ``beta += dense_s_per_element / 4`` (per
+    fp32 byte), the top-k's ``c0 += sparse_group_s`` (each clamped at zero).
+    """
+
+    constant_s: float = 0.0
+    dense_s_per_element: float = 0.0
+    sparse_group_s: float = 0.0
+    points: int = 0
+
+    def extra_s(self, dense_elements, sparse_groups):
+        return (self.constant_s + self.dense_s_per_element * dense_elements
+                + self.sparse_group_s * sparse_groups)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(constant_s=float(d["constant_s"]),
+                   dense_s_per_element=float(d["dense_s_per_element"]),
+                   sparse_group_s=float(d["sparse_group_s"]), points=int(d["points"]))
+
+
+def plan_features(groups, dense, numels):
+    """``(elements sent dense, number of sparse groups)`` of a plan over units ``numels``."""
+    dense_elements = sum(numels[u] for g, d in zip(groups, dense) if d for u in g)
+    return dense_elements, sum(1 for d in dense if not d)
+
+
+def _solve(rows, targets):
+    """Least squares of ``rows @ x = targets`` by normal equations (tiny systems), or None
+    when they are singular."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    b = [sum(r[i] * t for r, t in zip(rows, targets)) for i in range(n)]
+    for col in range(n):  # Gauss-Jordan with partial pivoting
+        pivot = max(range(col, n), key=lambda i: abs(a[i][col]))
+        scale = max(abs(a[i][j]) for i in range(n) for j in range(n)) or 1.0
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        for i in range(n):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col])]
+                b[i] -= f * b[col]
+    return [b[i] / a[i][i] for i in range(n)]
+
+
+def fit_correction(candidates, numels) -> Optional[Correction]:
+    """Fit a :class:`Correction` to a trial's :meth:`Trial.report` candidates (those with a
+    measurement) over units of ``numels`` elements. Terms whose feature does not vary
+    between the candidates are left out (they cannot be told from the constant), a
+    negative dense term is dropped (contention does not speed anything up), and with
+    fewer points than terms the constant alone is fitted. None without a measured point.
+    """
+    points = []
+    for c in candidates:
+        if c.get("measured_s") is None:
+            continue
+        dense_elements, sparse_groups = plan_features(c["groups"], c["dense"], numels)
+        points.append((dense_elements, sparse_groups, c["measured_s"] - c["predicted_s"]))
+    if not points:
+        return None
+    targets = [p[2] for p in points]
+    terms = [t for t in (0, 1) if len({p[t] for p in points}) > 1]
+    while True:
+        if len(points) < len(terms) + 1:
+            terms = []
+        rows = [[1.0] + [float(p[t]) for t in terms] for p in points]
+        solution = _solve(rows, targets) if terms else [statistics.fmean(targets)]
+        if solution is None:
+            terms = terms[:-1]
+            continue
+        coef = dict(zip(terms, solution[1:]))
+        if coef.get(0, 0.0) < 0:
+            terms = [t for t in terms if t != 0]
+            continue
+        return Correction(constant_s=solution[0], dense_s_per_element=coef.get(0, 0.0),
+                          sparse_group_s=coef.get(1, 0.0), points=len(points))
