@@ -78,13 +78,8 @@ def copy_seconds(numel, device, reps):
 
 
 def _hook_options():
-    options = {"density": DENSITY, "strategy": "single", "allow_dense": False,
-               "warmup_steps": 2, "log_every": 0}
-    import inspect
-
-    if "select" in inspect.signature(omgs_hook.OMGSState).parameters:
-        options["select"] = "model"
-    return options
+    return {"density": DENSITY, "strategy": "single", "allow_dense": False, "select": "model",
+            "warmup_steps": 2, "log_every": 0}
 
 
 def _build(numel, device, hook):

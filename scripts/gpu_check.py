@@ -211,11 +211,7 @@ def _hook_worker(rank, world_size, port, device_name, steps, out_dir):
             ddp = DDP(model, bucket_cap_mb=0,
                       device_ids=[device.index] if device.type == "cuda" else None)
             options = {"density": 0.01, "strategy": "layerwise", "allow_dense": False,
-                       "warmup_steps": 1, "log_every": 0}
-            import inspect
-
-            if "select" in inspect.signature(omgs_hook.OMGSState).parameters:
-                options["select"] = "model"
+                       "select": "model", "warmup_steps": 1, "log_every": 0}
             options.update(extra or {})
             return model, ddp, omgs_hook.register(ddp, **options)
 

@@ -11,14 +11,12 @@ final training loss to ``--out``.
 """
 
 import argparse
-import inspect
 import json
 import os
 
 import lightning.pytorch as pl
 import torch
 
-import omgs_hook
 from omgs_hook.lightning import OMGSStrategy
 
 
@@ -58,10 +56,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    # this tiny job is about wiring, not plan choice: the model's sparse plan
     options = {"density": args.density, "strategy": "layerwise", "allow_dense": False,
-               "warmup_steps": 2, "log_every": 0}
-    if "select" in inspect.signature(omgs_hook.OMGSState).parameters:
-        options["select"] = "model"  # this tiny job is about wiring, not plan choice
+               "select": "model", "warmup_steps": 2, "log_every": 0}
     strategy = OMGSStrategy(omgs_options=options, process_group_backend="gloo", bucket_cap_mb=0)
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                          num_nodes=1, strategy=strategy, max_steps=args.steps,

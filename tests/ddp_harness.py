@@ -103,3 +103,23 @@ def run_ranks(module_name, fn_name, world_size=2, timeout=120, pg_timeout_s=60,
                 raise RankFailed(f"rank {rank} failed:\n{record['error']}")
             results.append(record["value"])
         return results
+
+
+def run_in_session(cmd, timeout, cwd=None, env=None):
+    """Run ``cmd`` (e.g. a torchrun launch) in a session of its own and return
+    ``(returncode, output)``; past ``timeout`` seconds the whole session - launcher and
+    workers - is killed and the calling test fails with the output's tail."""
+    import signal
+    import subprocess
+
+    import pytest
+
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{cmd[:4]} did not finish within {timeout} s:\n" + output[-4000:])
+    return proc.returncode, output

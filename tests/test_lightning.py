@@ -3,12 +3,12 @@ real Trainer under torchrun), and rejects bad options before anything starts."""
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ddp_harness import run_in_session
 
 pytest.importorskip("lightning")
 
@@ -23,16 +23,9 @@ def test_trainer_fit_with_omgs_strategy_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "lightning.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            str(ROOT / "scripts" / "lightning_example.py"), "--steps", "30", "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=280)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail("the Lightning run did not finish within 280 s:\n" + output[-4000:])
-    assert proc.returncode == 0, output[-4000:]
+    returncode, output = run_in_session(cmd, 280, cwd=ROOT,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert returncode == 0, output[-4000:]
     report = json.loads(out.read_text())
     total = report["total"]
     assert report["steps"] == 30 and total["steps"] == 30

@@ -3,8 +3,6 @@ uncompiled model (2 gloo ranks on CPU): the hook runs in DDP's reducer, outside 
 compiled graphs, and Dynamo's DDP graph splitting (optimize_ddp) keeps the bucket order.
 """
 
-import inspect
-
 import pytest
 import torch
 
@@ -27,11 +25,8 @@ def compiled_vs_eager(rank, world_size, backend, steps=6):
         # Dynamo's DDP graph splitting needs the first bucket no larger than the others:
         # bucket_cap_mb=0 (one parameter per bucket) fails its assertion; 1 MB works
         ddp = DDP(net, bucket_cap_mb=1)
-        options = {"density": 0.1, "strategy": "layerwise", "allow_dense": False,
-                   "warmup_steps": 1, "log_every": 0}
-        if "select" in inspect.signature(omgs_hook.OMGSState).parameters:
-            options["select"] = "model"
-        state = omgs_hook.register(ddp, **options)
+        state = omgs_hook.register(ddp, density=0.1, strategy="layerwise", allow_dense=False,
+                                   select="model", warmup_steps=1, log_every=0)
         model = torch.compile(ddp, backend=backend) if compiled else ddp
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         seen = []
