@@ -241,3 +241,31 @@ def test_profile_from_another_world_size_is_used_with_a_warning(tmp_path):
                                     world_size=1, profile_path=str(path))
     assert any("world_size=4" in m and "world_size=1" in m for m in messages), messages
     assert comm["alpha_s"] == 2.5e-4 and comm["beta_s_per_byte"] == 1.5e-9
+
+
+def test_resuming_with_a_pinned_plan_uses_the_pinned_plan():
+    from omgs_hook.group_plan import GroupPlan
+
+    module = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    names = [n for n, _ in module.named_parameters()]
+    saved = OMGSState(module=module).state_dict()
+    other = GroupPlan(groups=(tuple(names),), dense=(False,), layout=tuple((n,) for n in names),
+                      strategy="optimal", predicted_iteration_s=0.1, made_at_step=6)
+    saved.update(step=10, plan=other.to_dict())
+    pinned = {"groups": [names[:2], names[2:]], "dense": [True, False]}
+    state = OMGSState(module=module, plan=pinned)
+    state.load_state_dict(saved)
+    assert [list(g) for g in state.plan.groups] == pinned["groups"]
+    assert state.plan.dense == (True, False) and state.plan.made_at_step == 6
+    # a bucket-index plan is laid over the saved plan's buckets when their number fits
+    state = OMGSState(module=module, plan={"groups": [[0], [1, 2, 3]]})
+    state.load_state_dict(saved)
+    assert state.plan.groups == ((names[0],), tuple(names[1:]))
+    state = OMGSState(module=module, plan={"groups": [[0], [1]]})
+    state.load_state_dict(saved)
+    assert state.plan is None  # resolved at the end of the next step (or refused there)
+    # before the end of the warm-up nothing is pinned yet
+    saved.update(step=2)
+    state = OMGSState(module=module, plan=pinned)
+    state.load_state_dict(saved)
+    assert state.plan is None

@@ -688,6 +688,23 @@ class OMGSState:
         self.plan = dataclasses.replace(plan, made_at_step=self.step)
         self._note_plan("pinned")
 
+    def _restore_pinned(self, saved):
+        """After ``load_state_dict`` with ``plan=``: the pinned plan, not the saved one (a
+        checkpoint of another run may hold another plan); bucket-index plans are resolved
+        over the saved plan's layout when it fits, else at the end of the next step."""
+        self.plan = None
+        if self.step < self.warmup_steps:
+            return
+        made_at = saved.made_at_step if saved is not None else self.step
+        if self._pinned[0] == "keys":
+            self.plan = dataclasses.replace(self._pinned[1], made_at_step=made_at)
+            return
+        _, units, dense, predicted = self._pinned
+        if saved is not None and len(saved.layout) == sum(len(g) for g in units):
+            unit_plan = planner_mod.Plan(strategy="pinned", groups=units, dense=dense,
+                                         predicted_iteration_s=predicted, non_overlapped_s=0.0)
+            self.plan = GroupPlan.from_unit_plan(unit_plan, saved.layout, made_at_step=made_at)
+
     def _note_plan(self, reason):
         """Record the plan in use from step ``self.step`` on (``stats()["plan_history"]``)."""
         plan = self.plan
@@ -903,6 +920,9 @@ class OMGSState:
         all-gather of checksums) and put the result in use."""
         job, self._plan_job = self._plan_job, None
         layout = tuple(tuple(b) for b in job["layout"])
+        # a trial still running was made for another layout ("layout" re-plans are the
+        # only ones a trial lets through): the new plans replace it
+        self._trial, self._trial_plans = None, []
         candidates = result["candidates"]
         if candidates:
             plans = [self._group_plan(c, layout, self.step) for c in candidates]
@@ -1218,6 +1238,8 @@ class OMGSState:
                             if sd.get("correction") else None)
         self._plan_history = [dict(e) for e in sd.get("plan_history") or []]
         self._bucket0 = None
+        if self._pinned is not None:
+            self._restore_pinned(self.plan)
         self._planner.cancel()
         self._plan_job = None
         if sd.get("plan_job") and not drop_residuals and self._pinned is None:
