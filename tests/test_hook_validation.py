@@ -269,3 +269,32 @@ def test_resuming_with_a_pinned_plan_uses_the_pinned_plan():
     state = OMGSState(module=module, plan=pinned)
     state.load_state_dict(saved)
     assert state.plan is None
+
+
+def test_background_planning_job_decides_trial_keep_or_model():
+    """hook._compute_plan: what runs on the planner thread for one re-plan (pure)."""
+    from omgs_hook import planner
+    from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit
+    from omgs_hook.hook import _compute_plan
+
+    inst = Instance(layers=tuple(Unit(numel=1000 * (i + 1) ** 2, backward_s=0.001) for i in range(5)),
+                    world_size=2, density=0.01, forward_s=0.002,
+                    comm=LinearCost(alpha_s=0.002, beta_s_per_byte=2e-8),
+                    topk=TopkCost(c0=1e-4, c1=2e-9, c2=0.0),
+                    dense=LinearCost(alpha_s=0.0005, beta_s_per_byte=1e-9), tail_s=0.001)
+    model = planner.make_plan(inst, "optimal")
+    key = [[list(g) for g in model.groups], list(model.dense)]
+    job = {"instance": inst.to_dict(), "kept": None, "model_key": None, "retrial_ok": True}
+    out = _compute_plan(job, "optimal", "model")
+    assert out["candidates"] is None and out["plan"].groups == model.groups
+    out = _compute_plan(job, "optimal", "measured")  # a full trial, the model's choice first
+    assert len(out["candidates"]) >= 3 and out["candidates"][0].key == (model.groups, model.dense)
+    other = {"name": "single", "groups": [[0, 1, 2, 3, 4]], "dense": [False]}
+    same = dict(job, kept=other, model_key=key)
+    out = _compute_plan(same, "optimal", "measured")  # the model's inputs gave the same plan
+    assert out["candidates"] is None and out["plan"] is None and out["reason"] == "kept"
+    changed = dict(job, kept=other, model_key=[[[0], [1], [2], [3], [4]], [False] * 5])
+    out = _compute_plan(changed, "optimal", "measured")  # a short trial: new plan vs kept
+    assert [c.name for c in out["candidates"]] == ["optimal", "kept:single"]
+    out = _compute_plan(dict(changed, retrial_ok=False), "optimal", "measured")
+    assert out["candidates"] is None and out["plan"] is None  # over budget: keep
