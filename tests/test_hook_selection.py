@@ -282,7 +282,8 @@ def background_worker(rank, world_size, steps, slow_rank_sleep_s):
     gc.collect()
     hook_mod.planner_mod.make_plan = original
     return {"on_main_thread": threads, "submitted": submitted, "applied": applied,
-            "wait": stats["planner_wait_s"], "replans": stats["total"]["replans"]}
+            "wait": stats["planner_wait_s"], "replans": stats["total"]["replans"],
+            "stall": stats["replan_stall_s"]}
 
 
 @pytest.mark.timeout(180)
@@ -297,3 +298,4 @@ def test_re_planning_runs_off_the_autograd_thread_and_every_rank_switches_at_the
     assert all(a == s + 2 for s, a in zip(fast["submitted"], fast["applied"]))
     # the slow planner made its own rank wait at the agreed step rather than switch later
     assert slow["wait"] > 0 and fast["replans"] == slow["replans"] == len(fast["submitted"])
+    assert slow["stall"]["max"] >= slow["wait"] > 0  # the stall report includes the wait

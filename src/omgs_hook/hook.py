@@ -396,6 +396,7 @@ class OMGSState:
         self._plan_history = []
         self._planner = BackgroundPlanner()
         self._plan_job = None  # the inputs of the plan being computed (plain values)
+        self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
         self._coarse_warned = False
         self._last = None
         self._last_exchange = None
@@ -582,9 +583,11 @@ class OMGSState:
             if self._trial is not None:
                 self._trial.record(previous[0], self._last_step_s)
         if self._plan_job is not None:
+            started = time.perf_counter()
             result = self._planner.poll(self.step)  # None before the agreed step
             if result is not None:
                 self._apply_plan_result(result)
+                self._note_stall(time.perf_counter() - started)
         if self._trial is not None:
             self._advance_trial()
         self._exchange = StepExchange(
@@ -639,7 +642,9 @@ class OMGSState:
             return
         reason = self._replan_due(layout)
         if reason:
+            started = time.perf_counter()
             self._replan(layout, reason)
+            self._note_stall(time.perf_counter() - started)
 
     def _replan_due(self, layout):
         """Why a re-plan is due now (``"first"``, ``"periodic"``, ``"overhead"``,
@@ -704,6 +709,11 @@ class OMGSState:
             unit_plan = planner_mod.Plan(strategy="pinned", groups=units, dense=dense,
                                          predicted_iteration_s=predicted, non_overlapped_s=0.0)
             self.plan = GroupPlan.from_unit_plan(unit_plan, saved.layout, made_at_step=made_at)
+
+    def _note_stall(self, seconds):
+        """Host seconds a step spent on re-planning on the autograd thread (gathering the
+        numbers; switching to the plan, waiting for the planner if it was late)."""
+        self._replan_stall = (seconds, max(seconds, self._replan_stall[1]))
 
     def _note_plan(self, reason):
         """Record the plan in use from step ``self.step`` on (``stats()["plan_history"]``)."""
@@ -1069,7 +1079,10 @@ class OMGSState:
         seconds per sparse group - added to the model at later re-plans;
         :class:`~omgs_hook.plan_selection.Correction`), ``"planner_wait_s"`` (how long the last
         switch to a background-computed plan waited for the planner thread: the stall
-        re-planning cost that step) and ``"planned_with"`` (the forward, tail and
+        re-planning cost that step), ``"replan_stall_s"`` (``last`` and ``max``: host
+        seconds a step spent on re-planning on the autograd thread - gathering the
+        numbers at the end of a step, switching plans at the start of one, the wait
+        included) and ``"planned_with"`` (the forward, tail and
         per-group overhead the last plan was made with).
         """
         total = dict(self._totals)
@@ -1102,6 +1115,7 @@ class OMGSState:
             "measured_iteration_s": self.meter.last_iteration_s,
             "step_s": self._last_step_s,
             "planner_wait_s": self._planner.last_wait_s,
+            "replan_stall_s": {"last": self._replan_stall[0], "max": self._replan_stall[1]},
             "cost_correction": self._correction.to_dict() if self._correction is not None else None,
             "plan_history": [dict(e) for e in self._plan_history],
             "selection": {
