@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
+from script_loader import load_script
 
 from omgs_hook import planner
 from omgs_hook.cost_model import Instance, InstanceError, LinearCost, TopkCost, Unit
@@ -148,6 +149,47 @@ def brute_force(inst, fixed_groups=None):
     return inst.forward_s + float(vector_timeline(inst, group_end, dense_flag).min())
 
 
+def reference_optimum(inst):
+    """The optimum by a plain dynamic program: for every prefix, the exact Pareto front
+    of (compute end, network end) over all ways to group it, with no bounds and no
+    pruning beyond strict dominance. Polynomial only in practice; for medium instances.
+    """
+    numel, backward = _arrays(inst)
+    L = inst.num_units
+    numel_before = np.concatenate(([0.0], np.cumsum(numel)))
+    backward_before = np.concatenate(([0.0], np.cumsum(backward)))
+    t = inst.topk
+    entry_bytes = inst.value_bytes + inst.index_bytes
+    fronts = [(np.zeros(1), np.zeros(1))]
+    for end in range(1, L + 1):
+        computes, networks = [], []
+        for start in range(end):
+            c, e = fronts[start]
+            d = numel_before[end] - numel_before[start]
+            b = backward_before[end] - backward_before[start]
+            x = b + t.c0 + t.c1 * d + t.c2 * d * math.log2(d)
+            k = max(1, math.ceil(inst.density * d))
+            y = inst.comm.alpha_s + inst.comm.beta_s_per_byte * entry_bytes * k
+            computes.append(c + x)
+            networks.append(np.maximum(e, c + x) + y)
+            if inst.dense is not None:
+                y_dense = inst.dense.alpha_s + inst.dense.beta_s_per_byte * inst.value_bytes * d
+                computes.append(c + b)
+                networks.append(np.maximum(e, c + b) + y_dense)
+        c = np.concatenate(computes)
+        e = np.concatenate(networks)
+        order = np.lexsort((e, c))
+        c, e = c[order], e[order]
+        keep = np.ones(c.size, dtype=bool)
+        keep[1:] = e[1:] < np.minimum.accumulate(e)[:-1]
+        fronts.append((c[keep], e[keep]))
+    return inst.forward_s + inst.tail_s + float(fronts[L][1].min())
+
+
+def realistic_instance(rng, num_units, dense, topk):
+    return load_script("compare_strategies").realistic_instance(rng, num_units, dense, topk)
+
+
 def all_strategies(inst, rng):
     threshold = int(_log_uniform(rng, 1, 4 * sum(u.numel for u in inst.layers)))
     return ["optimal", "greedy", "layerwise", "single", f"threshold:{threshold}"]
@@ -219,12 +261,77 @@ def test_optimal_equals_brute_force_with_dense(pruning):
     assert 20 <= dense_used < 160  # both modes occur
 
 
-@pytest.mark.filterwarnings("ignore::omgs_hook.planner.SearchBudgetWarning")
+def _engine_times(inst, upper_bound=math.inf):
+    """predicted_iteration_s of the plans each exact search finds on its own."""
+    times = {}
+    forward = planner._FrontierSearch(inst, upper_bound=upper_bound).solve()
+    backward = planner._SuffixSearch(inst, upper_bound).solve()
+    for name, found in (("forward", forward), ("backward", backward)):
+        assert found is not None, name
+        bounds, modes = found
+        groups = planner._groups_from_bounds(bounds)
+        times[name] = resimulate(inst, groups, modes)
+    return times
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("c2", ["zero", "positive"])
+def test_both_exact_searches_equal_brute_force(dense, c2):
+    """Each of the two exact searches alone, unbounded and with the optimum itself as
+    the bound (the tightest bound they can get), on instances with c2 = 0 and c2 > 0."""
+    rng = np.random.default_rng(31 + 2 * dense + (c2 == "positive"))
+    for _ in range(60 if dense else 100):
+        inst = random_instance(rng, int(rng.integers(1, 10 if dense else 13)), dense=dense)
+        if c2 == "zero":
+            inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=0.0))
+        else:
+            inst = dataclasses.replace(
+                inst, topk=dataclasses.replace(inst.topk, c2=_log_uniform(rng, 1e-14, 1e-10))
+            )
+        truth = brute_force(inst)
+        for bound in (math.inf, truth - inst.forward_s):
+            for name, value in _engine_times(inst, bound).items():
+                assert value == pytest.approx(truth, rel=REL), (name, bound)
+        assert make_plan(inst).predicted_iteration_s == pytest.approx(truth, rel=REL)
+
+
+def test_optimal_equals_the_reference_dp_on_medium_instances():
+    """Against the plain Pareto DP (no bounds): random and realistic instances of 40-150
+    units, sparse and dense, linear and n log n top-k; both searches and make_plan."""
+    rng = np.random.default_rng(77)
+    cases = []
+    for i in range(6):
+        cases.append(random_instance(rng, int(rng.integers(60, 150)), dense=False))
+        cases.append(realistic_instance(rng, int(rng.integers(60, 150)), False,
+                                        "nlogn" if i % 2 else "linear"))
+        cases.append(random_instance(rng, int(rng.integers(25, 45)), dense=True))
+        cases.append(realistic_instance(rng, int(rng.integers(25, 45)), True, "mixed"))
+    for inst in cases:
+        truth = reference_optimum(inst)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SearchBudgetWarning)
+            plan = make_plan(inst)
+        assert plan.predicted_iteration_s == pytest.approx(truth, rel=REL)
+        for name, value in _engine_times(inst).items():
+            assert value == pytest.approx(truth, rel=REL), name
+
+
+def test_the_reference_dp_equals_brute_force():
+    """The reference itself, checked on small instances (so that agreeing with it means
+    something)."""
+    rng = np.random.default_rng(78)
+    for i in range(40):
+        inst = random_instance(rng, int(rng.integers(1, 9)), dense=bool(i % 2))
+        assert reference_optimum(inst) == pytest.approx(brute_force(inst), rel=REL)
+
+
 def test_large_instance_consistency():
     rng = np.random.default_rng(3)
-    for dense in (False, True):
-        inst = random_instance(rng, 400, dense=dense)
-        plans = {s: make_plan(inst, s) for s in ("optimal", "greedy", "layerwise", "single")}
+    for dense, num_units in ((False, 1000), (True, 150)):
+        inst = random_instance(rng, num_units, dense=dense)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SearchBudgetWarning)  # exact: no fallback
+            plans = {s: make_plan(inst, s) for s in ("optimal", "greedy", "layerwise", "single")}
         for plan in plans.values():
             assert plan.predicted_iteration_s == pytest.approx(
                 resimulate(inst, plan.groups, plan.dense), rel=REL
@@ -425,11 +532,28 @@ def test_plans_are_deterministic_and_break_ties_the_same_way():
 # ----------------------------------------------------------------------- search budget
 
 
-def test_search_budget_falls_back_with_a_warning(monkeypatch):
+def test_no_budget_and_no_warning_up_to_exact_units(monkeypatch):
+    """Up to EXACT_UNITS units `optimal` is exact whatever SEARCH_BUDGET says: a tiny
+    budget and race turns only make the two searches take more turns."""
+    rng = np.random.default_rng(2)
+    monkeypatch.setattr(planner, "SEARCH_BUDGET", 1)
+    monkeypatch.setattr(planner, "_RACE_START_BUDGET", 4)
+    for dense in (False, True):
+        for _ in range(6):
+            inst = random_instance(rng, int(rng.integers(20, 60)), dense=dense)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", SearchBudgetWarning)
+                plan = make_plan(inst)
+            assert plan.predicted_iteration_s == pytest.approx(reference_optimum(inst), rel=REL)
+
+
+def test_search_budget_is_a_safety_valve_beyond_exact_units(monkeypatch):
     rng = np.random.default_rng(2)
     inst = random_instance(rng, 60, dense=False)
     exact = make_plan(inst)
+    monkeypatch.setattr(planner, "EXACT_UNITS", 50)  # pretend 60 units is "very large"
     monkeypatch.setattr(planner, "SEARCH_BUDGET", 50)
+    monkeypatch.setattr(planner, "_RACE_START_BUDGET", 10)
     with pytest.warns(SearchBudgetWarning, match="not proven optimal"):
         fallback = make_plan(inst)
     assert fallback.predicted_iteration_s == pytest.approx(
@@ -437,7 +561,7 @@ def test_search_budget_falls_back_with_a_warning(monkeypatch):
     )
     assert exact.predicted_iteration_s <= fallback.predicted_iteration_s * (1 + 1e-12)
     assert fallback.predicted_iteration_s <= make_plan(inst, "greedy").predicted_iteration_s
-    # with the normal budget no warning is raised
+    # with the valve out of reach no warning is raised
     monkeypatch.undo()
     with warnings.catch_warnings():
         warnings.simplefilter("error", SearchBudgetWarning)

@@ -33,11 +33,12 @@ exactly, with the same search restricted to the given group boundaries
 (:func:`best_modes`). Without a dense cost every group is sparse and all results are
 those of the sparse model.
 
-Search budget: the exact search counts the candidate states it examines; past
-:data:`SEARCH_BUDGET` (reached only in regimes where the Pareto fronts stay large - a
-top-k cost with ``c2 > 0`` on a network much slower than compute, or dense costs that
-trade closely against sparse ones, with hundreds of units) ``optimal`` returns the best
-plan a beam search and the heuristics found and emits :class:`SearchBudgetWarning`.
+Exactness and the safety valve: up to :data:`EXACT_UNITS` (1000) units ``optimal`` is
+always the exact optimum - two exact searches, forward over ``(c, e)`` fronts
+(:class:`_FrontierSearch`) and backward over ``(Ys, G)`` fronts (:class:`_SuffixSearch`),
+take turns with growing candidate budgets until one finishes (:func:`_search`). Only
+beyond that size does :data:`SEARCH_BUDGET` stop a search; ``optimal`` then returns the
+best plan found and emits :class:`SearchBudgetWarning`.
 
 Determinism: a plan depends only on the instance - no randomness, timing or object
 hashing - and ties are broken by fixed orders (stable sorts; among equal states the one
@@ -79,6 +80,7 @@ __all__ = [
     "best_modes",
     "SearchBudgetWarning",
     "SEARCH_BUDGET",
+    "EXACT_UNITS",
 ]
 
 STRATEGIES = ("optimal", "greedy", "layerwise", "single", "threshold:BYTES")
@@ -334,17 +336,20 @@ def best_modes(inst: Instance, groups) -> Tuple[bool, ...]:
 
 
 class SearchBudgetWarning(UserWarning):
-    """The exact search hit :data:`SEARCH_BUDGET`; the plan returned is the best one a
-    bounded (beam) search and the heuristics found, not a proven optimum."""
+    """Only beyond :data:`EXACT_UNITS` units: the exact searches hit
+    :data:`SEARCH_BUDGET`; the plan returned is the best one a bounded (beam) search and
+    the heuristics found, not a proven optimum."""
 
 
-# Candidate states the exact search may examine before it gives up (see
-# SearchBudgetWarning). A count, not a time, so that every rank stops at the same point;
-# about half a second of work on a laptop-class core. Only dense-cost instances with
-# hundreds of units in regimes where dense and sparse trade off closely get near it.
+# Up to this many units `optimal` is always exact: no budget, no fallback.
+EXACT_UNITS = 1000
+# The safety valve beyond EXACT_UNITS units: candidate states one search may examine
+# before `optimal` returns the best plan found so far (SearchBudgetWarning). A count,
+# not a time, so that every rank stops at the same point.
 SEARCH_BUDGET = 10_000_000
-# Sparse instances first try the exact search with this budget and the heuristic bound.
-_FIRST_ATTEMPT_BUDGET = 1_000_000
+# Candidate budget of each search's first turn in the race of `_search` (doubled every
+# round).
+_RACE_START_BUDGET = 250_000
 # States kept per prefix by the beam search that supplies upper bounds.
 _BEAM_WIDTH = 4
 # Up to this many units the layerwise plan is one of the upper-bound candidates.
@@ -352,12 +357,23 @@ _LAYERWISE_BOUND_UNITS = 4096
 
 
 def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
-    """Best (bounds, modes): exact when the search fits in :data:`SEARCH_BUDGET`.
+    """Best (bounds, modes): always exact up to :data:`EXACT_UNITS` units.
 
     ``known_bounds`` are groupings (as group end prefixes) whose simple-rule plans give
-    the first upper bound; with a dense cost a beam search tightens it before the exact
-    search (the bound is what prunes the dense search). If the exact search runs out of
-    budget, the best plan seen so far is returned with a :class:`SearchBudgetWarning`.
+    the first upper bound. With fixed ``boundaries`` (:func:`best_modes`) the forward
+    search over those boundaries decides the modes. Otherwise two exact searches race:
+    the forward search over ``(c, e)`` fronts (:class:`_FrontierSearch`) and the
+    backward search over ``(Ys, G)`` fronts (:class:`_SuffixSearch`). Each is fast on
+    instances where the other can be slow, so they take turns with the same candidate
+    budget, doubled every round, and the first to finish returns the optimum (both are
+    exact, so which one finishes does not change the plan's time; ties between equal
+    plans are broken by a fixed order). The turns depend on counts only, never on a
+    clock, so every rank takes the same turns. After the first round a beam search
+    tightens the upper bound, which prunes both searches.
+
+    Beyond :data:`EXACT_UNITS` units, once a search would exceed :data:`SEARCH_BUDGET`
+    candidates, the best plan found so far is returned with a
+    :class:`SearchBudgetWarning` (the documented safety valve).
     """
     rules = ("sparse",) if inst.dense is None else ("sparse", "dense", "cheaper")
     best_value, best_plan = math.inf, None
@@ -367,36 +383,50 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
             if value < best_value:
                 best_value, best_plan = value, (tuple(int(b) for b in bounds), modes)
 
-    def run_beam():
-        nonlocal best_value, best_plan
-        found = _FrontierSearch(
-            inst, upper_bound=best_value, boundaries=boundaries, beam=_BEAM_WIDTH
-        ).solve()
-        if found is not None:
-            value, _ = _comm_end(inst, prefix_sums, found[0], found[1])
-            if value < best_value:
-                best_value, best_plan = value, found
-
-    if inst.dense is None:
-        # most sparse instances finish quickly with the heuristic bound; only when this
-        # first, short attempt runs out does the beam search tighten the bound
-        first_budget = min(SEARCH_BUDGET, _FIRST_ATTEMPT_BUDGET)
+    if boundaries is not None:
         exact = _FrontierSearch(
-            inst, upper_bound=best_value, boundaries=boundaries, budget=first_budget
+            inst, upper_bound=best_value, boundaries=boundaries, budget=_valve(inst)
         ).solve()
-        if exact is not None:
-            return exact
-        run_beam()
-        if first_budget == SEARCH_BUDGET:
+        return exact if exact is not None else _budget_exceeded(inst, best_plan)
+
+    valve = _valve(inst)
+
+    def capped(budget):
+        return budget if valve is None else min(budget, valve)
+
+    # first turn: the forward search, which tolerates a loose bound best
+    budget = capped(_RACE_START_BUDGET)
+    found = _FrontierSearch(inst, upper_bound=best_value, budget=budget).solve()
+    if found is not None:
+        return found
+    # a beam search tightens the bound; the backward search needs a tight one
+    beam = _FrontierSearch(inst, upper_bound=best_value, beam=_BEAM_WIDTH).solve()
+    if beam is not None:
+        value, _ = _comm_end(inst, prefix_sums, beam[0], beam[1])
+        if value < best_value:
+            best_value, best_plan = value, beam
+    least_topk = (
+        _least_topk_time(inst, prefix_sums[0]) if inst.dense is None else None
+    )
+    while True:
+        budget = capped(2 * budget)
+        backward = _SuffixSearch(inst, best_value, budget=budget, least_topk=least_topk)
+        found = backward.solve()
+        if found is not None:
+            return found
+        if backward.outcome == "none":
+            # nothing better than the known plan exists (up to rounding)
+            return best_plan
+        found = _FrontierSearch(inst, upper_bound=best_value, budget=budget).solve()
+        if found is not None:
+            return found
+        if valve is not None and budget >= valve:
             return _budget_exceeded(inst, best_plan)
-    else:
-        run_beam()  # the dense search needs a tight bound from the start
-    exact = _FrontierSearch(
-        inst, upper_bound=best_value, boundaries=boundaries, budget=SEARCH_BUDGET
-    ).solve()
-    if exact is not None:
-        return exact
-    return _budget_exceeded(inst, best_plan)
+
+
+def _valve(inst: Instance) -> Optional[int]:
+    """The search budget: none (exact) up to EXACT_UNITS units, SEARCH_BUDGET beyond."""
+    return None if inst.num_units <= EXACT_UNITS else SEARCH_BUDGET
 
 
 def _budget_exceeded(inst: Instance, best_plan):
@@ -541,11 +571,9 @@ class _FrontierSearch:
     Rules 2 and 3 run every few prefixes (they are permanent, so running them lazily
     only keeps a few extra columns for a while).
 
-    **Budget.** In regimes where dense and sparse groups trade compute time against
-    network time closely, the fronts can still grow large. ``budget`` caps the number of
-    candidate states examined (a count, so every rank stops at the same point);
-    :func:`_search` then falls back to the best plan the bounded beam search and the
-    heuristics found, with a :class:`SearchBudgetWarning`.
+    **Budget.** ``budget`` caps the number of candidate states examined (a count, so
+    every rank stops at the same point); :func:`_search` uses it to take turns with
+    :class:`_SuffixSearch`, and as the safety valve beyond :data:`EXACT_UNITS` units.
 
     **Fixed groups.** With ``boundaries`` given, only those prefixes are targets and only
     the front of the previous boundary is a source: the same search then chooses only
@@ -879,3 +907,309 @@ def _dominated_by_later(images, e, newest):
         best = best[has]
         dropped[:newest][has] |= (e[newest:][best] <= older[has]) & (front[best] <= older[has])
     return dropped
+
+
+# ---------------------------------------------------------------------------
+# the exact search, from the last unit backwards
+
+
+class _SuffixSearch:
+    """Exact minimum of the predicted iteration time, by a DP over suffixes.
+
+    **Suffix states.** Group the units ``s..L-1`` by some plan and start its timeline at
+    ``c = e = 0``. Two numbers describe that suffix plan completely:
+
+    * ``Ys``, the sum of its collectives' times (the network work still to do), and
+    * ``G``, its own final network time (``e_m`` of the suffix alone).
+
+    Put in front of it a prefix that ends in state ``(c, e)``; the final network time is
+    ``max(e + Ys, c + G)`` (the network is either busy to the end from ``e``, or it waits
+    for the compute stream at some group, after which the suffix runs as it would from
+    ``(c, c)``: ``e_m = max_j (P_j + S_j)`` with ``P_j`` the compute prefix sum up to and
+    ``S_j`` the network suffix sum from group ``j``, a two-machine flow shop in a fixed
+    order). Prepending one group ``s..t-1`` (compute ``X``, collective ``Y``) to a
+    suffix plan at ``t`` gives ``(Y + Ys, X + max(Y + Ys, G))``: both coordinates grow
+    with ``Ys`` and with ``G``, so at every ``s`` only the Pareto front of
+    non-dominated ``(Ys, G)`` pairs matters, and the optimum is the smallest ``G`` at
+    ``s = 0``. It is the mirror image of the forward search of :class:`_FrontierSearch`
+    and exact for the same reason.
+
+    **Why backwards.** ``Ys`` does not depend on the top-k cost at all: for sparse groups
+    it is ``m * alpha`` plus the bytes of the selected entries, nearly the same for all
+    suffix plans with the same number of groups ``m``. The fronts therefore stay small
+    (a few states per suffix, however large ``c2``), whereas the forward fronts over
+    ``(c, e)`` grow with every distinct ``c2 * D log D`` sum.
+
+    **Pruning** (none of it removes a state that could still lead to a plan at least as
+    good as ``upper_bound``, the time of a known plan):
+
+    1. *Bound.* A prefix ending at ``s`` has ``c >= C(s)`` and ``e >= E(s)`` (lower
+       bounds: its backward, plus the per-element top-k of units that might be sparse
+       and one ``c0``; and one collective after that, or all its bytes at the cheapest
+       rate), so a candidate whose ``max(E(s) + Ys, C(s) + G)`` exceeds the bound is not
+       stored.
+    2. *Retirement.* A live state at ``t`` yields a candidate at every ``s < t``. For
+       group ``s..t-1`` and every plan through it, the final time is at least
+       ``M(s) = max(C0(s) + X + max(Y + Ys, G), R(s) + Y0 + Ys)`` (``C0`` is ``C``
+       without ``c0``; ``Y0`` is ``Y`` without the rounding up of ``k``; ``R(s)``
+       prices the prefix's bytes at the cheapest rate). ``M`` never decreases as ``s``
+       moves left: ``X`` grows at least as fast as ``C0`` shrinks (``D log D`` is
+       superadditive), ``Y`` and ``Y0`` grow at least as fast as ``R`` shrinks. Once
+       ``M`` exceeds the bound in every mode, the state is dropped for good.
+    3. *Same suffix.* For two states of one front with ``Ys_B < Ys_A`` (so
+       ``G_B > G_A``), once ``G_B <= Y + Ys_A`` for the group ``s..t-1`` (in both modes),
+       ``B``'s image is no worse than ``A``'s in both coordinates, and stays so for
+       every later (smaller) ``s``, since ``Y`` only grows: ``A`` is dropped.
+
+    Ties: states whose times differ by less than ``tie`` are equal; the Pareto front is
+    taken with a stable sort over candidates in a fixed order (live states in order of
+    creation, sparse before dense), so the plan depends only on the instance.
+    """
+
+    def __init__(
+        self,
+        inst: Instance,
+        upper_bound: float,
+        budget: Optional[int] = None,
+        least_topk: Optional[np.ndarray] = None,
+    ):
+        """``least_topk``: :func:`_least_topk_time` of the instance, when the caller
+        has it already (it is the same for every search of one instance)."""
+        self.inst = inst
+        self.upper_bound = float(upper_bound)
+        self.budget = budget
+        L = inst.num_units
+        numel = np.fromiter((u.numel for u in inst.layers), dtype=np.float64, count=L)
+        backward = np.fromiter((u.backward_s for u in inst.layers), dtype=np.float64, count=L)
+        self.numel_prefix = np.concatenate(([0.0], np.cumsum(numel)))
+        if self.numel_prefix[-1] >= 2.0**53:
+            raise InstanceError("layers", "the total numel must be below 2**53")
+        self.backward_prefix = np.concatenate(([0.0], np.cumsum(backward)))
+        self.tie = _RELATIVE_TIE * _time_scale(inst)
+        self.min_numel = float(numel.min())
+        self.outcome = None
+        self.examined = 0
+        c1, c2 = inst.topk.c1, inst.topk.c2
+        topk_prefix = np.concatenate(([0.0], np.cumsum((c1 + c2 * np.log2(numel)) * numel)))
+        sparse_rate = (
+            inst.comm.beta_s_per_byte * (inst.value_bytes + inst.index_bytes) * inst.density
+        )
+        if inst.dense is None:
+            self.alpha_min = inst.comm.alpha_s
+            self.cheapest_rate = sparse_rate
+            compute_no_c0 = self.backward_prefix + topk_prefix
+            if least_topk is None:
+                least_topk = _least_topk_time(inst, self.numel_prefix)
+            compute = self.backward_prefix + least_topk
+        else:
+            dense_rate = inst.dense.beta_s_per_byte * inst.value_bytes
+            self.alpha_min = min(inst.comm.alpha_s, inst.dense.alpha_s)
+            self.cheapest_rate = min(sparse_rate, dense_rate)
+            compute_no_c0 = self.backward_prefix.copy()
+            compute = compute_no_c0
+        self.sparse_rate = sparse_rate
+        network = np.maximum(
+            compute + self.alpha_min, self.alpha_min + self.cheapest_rate * self.numel_prefix
+        )
+        compute = compute.copy()
+        if inst.dense is None:
+            # the fewest bytes: one group (k rounds up at most once)
+            # (shrunk by 1e-12 first: float rounding must not push the ceil up)
+            one_group = inst.comm.alpha_s + _entry_time(inst) * np.maximum(
+                1.0, np.ceil(inst.density * self.numel_prefix * (1.0 - 1e-12))
+            )
+            np.maximum(network, one_group, out=network)
+        # a state at t reached through any group s..t-1 has compute >= compute[t]
+        self.compute_at = compute.copy()
+        network[0] = compute[0] = 0.0  # the empty prefix
+        self.prefix_compute = compute.tolist()
+        self.prefix_network = network.tolist()
+        self.prefix_compute_no_c0 = compute_no_c0.tolist()
+        self.prefix_bytes = (self.cheapest_rate * self.numel_prefix).tolist()
+
+    def solve(self) -> Optional[Tuple[Tuple[int, ...], Tuple[bool, ...]]]:
+        """(group end prefixes, dense flags) of an optimal plan; None past the budget."""
+        inst = self.inst
+        L = inst.num_units
+        Dp = self.numel_prefix
+        Bp = self.backward_prefix
+        c0, c1, c2 = inst.topk.c0, inst.topk.c1, inst.topk.c2
+        alpha = inst.comm.alpha_s
+        beta_k = inst.comm.beta_s_per_byte * (inst.value_bytes + inst.index_bytes)
+        density = inst.density
+        sparse_rate = self.sparse_rate
+        has_dense = inst.dense is not None
+        if has_dense:
+            alpha_d = inst.dense.alpha_s
+            beta_d = inst.dense.beta_s_per_byte * inst.value_bytes
+        tie = self.tie
+        # every dominance decision may lose up to `tie`, once per group: the optimum is
+        # within L ties of the bound even when the bound is the optimum itself
+        limit = self.upper_bound + tie * (L + 2)
+        budget = self.budget if self.budget is not None else math.inf
+
+        # live states, in order of creation (so by decreasing suffix start t; each
+        # front sorted by Ys): suffix start, Ys, G, id
+        T = np.array([L], np.int64)
+        YS = np.zeros(1)
+        G = np.zeros(1)
+        ID = np.zeros(1, np.int64)
+        # per id: the start of its suffix, its parent's id and its first group's mode
+        starts: List[np.ndarray] = [np.array([L], np.int64)]
+        parents: List[np.ndarray] = [np.array([-1], np.int64)]
+        modes: List[np.ndarray] = [np.zeros(1, bool)]
+        next_id = 1
+        examined = 0
+        final_id = -1
+
+        for s in range(L - 1, -1, -1):
+            live = T.size
+            if live == 0:
+                break
+            D = Dp[T] - Dp[s]
+            Bg = Bp[T] - Bp[s]
+            xs = Bg + (c0 + c1 * D)
+            if c2:
+                xs += c2 * D * np.log2(D)
+            ks = np.ceil(density * D)  # k(D), as selected_k computes it
+            if density * self.min_numel < 1.0:
+                np.maximum(ks, 1.0, out=ks)
+            ys = alpha + beta_k * ks
+            ys_sum = ys + YS
+            gs = xs + np.maximum(ys_sum, G)
+            if has_dense:
+                yd = alpha_d + beta_d * D
+                yd_sum = yd + YS
+                gd = Bg + np.maximum(yd_sum, G)
+                cand_y = np.concatenate((ys_sum, yd_sum))
+                cand_g = np.concatenate((gs, gd))
+            else:
+                cand_y, cand_g = ys_sum, gs
+            size = cand_y.size
+            examined += size
+            self.examined = examined
+            if examined > budget:
+                self.outcome = "budget"
+                return None
+
+            # rule 1: only candidates that can still beat the known plan
+            if s > 0:
+                viable = np.maximum(
+                    cand_y + self.prefix_network[s], cand_g + self.prefix_compute[s]
+                ) <= limit
+            else:
+                viable = cand_g <= limit
+            pool = np.flatnonzero(viable)
+            count = pool.size
+            if count > 1:
+                py, pg = cand_y[pool], cand_g[pool]
+                order = np.lexsort((pg, py))  # by Ys, equal Ys by G, then first come
+                g_sorted = pg[order]
+                keep = np.empty(count, dtype=bool)
+                keep[0] = True
+                np.less(g_sorted[1:], np.minimum.accumulate(g_sorted)[:-1] - tie, out=keep[1:])
+                chosen = order[keep]
+                new_y = py[chosen]
+                new_g = g_sorted[keep]
+                if chosen.size > 1:
+                    # Ys equal up to rounding: keep only the later one (smaller G)
+                    distinct = np.empty(chosen.size, dtype=bool)
+                    distinct[-1] = True
+                    np.greater(new_y[1:] - new_y[:-1], tie, out=distinct[:-1])
+                    if np.count_nonzero(distinct) < chosen.size:
+                        chosen, new_y, new_g = chosen[distinct], new_y[distinct], new_g[distinct]
+                chosen = pool[chosen]
+            else:
+                chosen = pool
+                new_y, new_g = cand_y[pool], cand_g[pool]
+            count = chosen.size
+            if count:
+                is_dense = chosen >= live
+                source = chosen - live * is_dense
+                ids = np.arange(next_id, next_id + count, dtype=np.int64)
+                next_id += count
+                starts.append(np.full(count, s, np.int64))
+                parents.append(ID[source])
+                modes.append(is_dense)
+            if s == 0:
+                if count == 0:
+                    self.outcome = "none"
+                    return None  # no plan within the bound
+                final_id = int(ids[int(np.argmin(new_g))])  # first minimum wins ties
+                break
+
+            # rule 2: retire live states that can never again lead below the bound
+            c_floor = self.prefix_compute_no_c0[s]
+            c_at = self.compute_at[T]
+            bytes_floor = self.prefix_bytes[s]
+            alive = np.maximum(
+                np.maximum(gs + c_floor, c_at + np.maximum(ys_sum, G)),
+                (alpha + sparse_rate * D) + YS + bytes_floor,
+            ) <= limit
+            if has_dense:
+                alive |= np.maximum(
+                    np.maximum(gd + c_floor, c_at + np.maximum(yd_sum, G)), yd_sum + bytes_floor
+                ) <= limit
+            # rule 3: within one front, the state before (smaller Ys, larger G) dominates
+            # this one from now on once its G <= Y + Ys of this one, in both modes
+            if live > 1:
+                y_min = np.minimum(ys, yd) if has_dense else ys
+                dominated = (T[1:] == T[:-1]) & (G[:-1] <= y_min[1:] + YS[1:])
+                alive[1:] &= ~dominated
+            if count or np.count_nonzero(alive) < live:
+                T = np.concatenate((T[alive], np.full(count, s, np.int64)))
+                YS = np.concatenate((YS[alive], new_y))
+                G = np.concatenate((G[alive], new_g))
+                ID = np.concatenate((ID[alive], ids)) if count else ID[alive]
+
+        if final_id < 0:
+            self.outcome = "none"
+            return None  # every state was beyond the bound
+        self.outcome = "found"
+        return self._reconstruct(final_id, starts, parents, modes, L)
+
+    @staticmethod
+    def _reconstruct(final_id, starts, parents, modes, L):
+        start = np.concatenate(starts)
+        parent = np.concatenate(parents)
+        dense = np.concatenate(modes)
+        bounds, flags = [], []
+        state = final_id
+        while True:
+            up = int(parent[state])
+            if up < 0:
+                break
+            bounds.append(int(start[up]))
+            flags.append(bool(dense[state]))
+            state = up
+        assert bounds and bounds[-1] == L
+        return tuple(bounds), tuple(flags)
+
+
+def _entry_time(inst: Instance) -> float:
+    """Seconds per selected entry (value and index) of a sparse collective."""
+    return inst.comm.beta_s_per_byte * (inst.value_bytes + inst.index_bytes)
+
+
+def _least_topk_time(inst: Instance, numel_prefix) -> np.ndarray:
+    """For every prefix ``t``: the least total top-k time of any grouping of units
+    ``0..t-1`` into sparse groups (``least[0] = 0``).
+
+    With ``c2 = 0`` one group is best (``c0 + c1 * D``); otherwise a DP over the last
+    group's start, ``least[t] = min_s least[s] + t_s(D(s..t))``.
+    """
+    topk = inst.topk
+    L = numel_prefix.size - 1
+    if topk.c2 == 0.0:
+        least = topk.c0 + topk.c1 * numel_prefix
+        least[0] = 0.0
+        return least
+    least = np.zeros(L + 1)
+    c0, c2 = topk.c0, topk.c2
+    for t in range(1, L + 1):
+        D = numel_prefix[t] - numel_prefix[:t]
+        least[t] = np.min(least[:t] + c2 * D * np.log2(D)) + c0
+    least += topk.c1 * numel_prefix
+    return least
+
+
