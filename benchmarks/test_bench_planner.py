@@ -23,7 +23,8 @@ plan is no worse than ``greedy``.
 
 ``background submit`` measures how long ``BackgroundPlanner.submit`` holds the caller
 when it hands over a 1000-unit plan (target: under 20 ms; the planning itself runs on
-the worker thread).
+the worker thread). Run it with the default wall-clock timer: ``process_time`` would
+also count the worker thread's CPU time.
 """
 
 import importlib.util
