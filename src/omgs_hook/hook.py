@@ -85,6 +85,9 @@ WORLD_SIZE_POLICIES = ("error", "reset")
 # A bucket layout that differs from the plan's must persist this many steps before it
 # forces a re-plan: DDP's one-bucket iterations after a (re)start are transient.
 LAYOUT_SETTLE_STEPS = 3
+# Error-feedback health (residual norm / gradient norm) is measured on every this many
+# steps: two extra reads of each group, amortised to a tenth.
+HEALTH_EVERY = 10
 # The first plan is made before any sparse group was sent, so the hook's own per-group
 # work is unknown to it; this many steps later the plan is made once more with it.
 OVERHEAD_SETTLE_STEPS = 5
@@ -291,6 +294,18 @@ class OMGSState:
         on_world_size_change (str): when ``load_state_dict`` gets a state saved with
             another world size: ``"error"`` (default) or ``"reset"`` (drop the residuals,
             logging their norm - they were error feedback of another rank split).
+        local_clip_norm (float): DGC's local gradient clipping (off by default). Each
+            rank scales its own gradient *before* it is added to the residual, so that
+            the gradient of a group of D elements (out of all N elements) has an L2 norm
+            of at most ``local_clip_norm * sqrt(D / N) / sqrt(world_size)``: the total
+            norm threshold you would give ``clip_grad_norm_``, scaled by
+            ``world_size ** -0.5`` as DGC does, and split over the groups in proportion
+            to their size (groups are sent while backward still runs, so the whole
+            gradient's norm is never available in time). Needs ``module`` (the
+            parameter count); :func:`register` passes it.
+        track_staleness (bool): keep, per element, the number of steps since it was last
+            sent (an int32 counter per element: 4 bytes each, and one pass per group
+            and step), reported per group in ``stats()["staleness"]``. Default False.
     """
 
     def __init__(
@@ -313,6 +328,8 @@ class OMGSState:
         module=None,
         measure_window=32,
         on_world_size_change="error",
+        local_clip_norm=None,
+        track_staleness=False,
     ):
         self.density = _check_fraction("density", density)
         try:
@@ -342,6 +359,18 @@ class OMGSState:
         self.on_world_size_change = on_world_size_change
         self.allow_dense = bool(allow_dense)
         self.refit_online = bool(refit_online)
+        if local_clip_norm is not None and (
+                isinstance(local_clip_norm, bool) or not isinstance(local_clip_norm, (int, float))
+                or not 0 < float(local_clip_norm) < math.inf):
+            raise ValueError(
+                f"local_clip_norm must be a positive number or None, got {local_clip_norm!r}")
+        if local_clip_norm is not None and module is None:
+            raise ValueError("local_clip_norm needs the module (its parameter count): use "
+                             "omgs_hook.register(ddp_model, ...) or pass module=")
+        self.local_clip_norm = None if local_clip_norm is None else float(local_clip_norm)
+        if not isinstance(track_staleness, bool):
+            raise ValueError(f"track_staleness must be True or False, got {track_staleness!r}")
+        self.track_staleness = track_staleness
         if select not in SELECT_MODES:
             raise ValueError(f"select must be one of {SELECT_MODES}, got {select!r}")
         self.select = select
@@ -400,6 +429,10 @@ class OMGSState:
         self._coarse_warned = False
         self._last = None
         self._last_exchange = None
+        self._plan_instance = None  # (layout, Instance) of the last re-plan
+        self._forward_end_wall = None
+        self._health = None  # (step, [(grad^2, residual^2) per group]) of the last measured step
+        self._staleness = None  # (step, [(keys, int32 ages) per sparse group])
         self._totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "elements": 0,
                         "selected": 0, "nonfinite_steps": 0, "replans": 0, "trials": 0,
                         "warmup_steps": 0, "warmup_elements": 0, "warmup_bytes": 0,
@@ -439,6 +472,7 @@ class OMGSState:
 
     def _on_forward(self, module, args, output):
         self.meter.forward_finished()
+        self._forward_end_wall = time.perf_counter()
 
     @property
     def world_size(self):
@@ -482,6 +516,8 @@ class OMGSState:
             "measure_window": repr(self.meter.window),
             "allow_dense": repr(self.allow_dense),
             "refit_online": repr(self.refit_online),
+            "local_clip_norm": repr(self.local_clip_norm),
+            "track_staleness": repr(self.track_staleness),
             "nonfinite": self.nonfinite,
             "topk_backend": self._selector.name,
             "profile": repr((prof.comm, prof.dense, prof.topk_for(self._selector.name))),
@@ -596,12 +632,23 @@ class OMGSState:
             on_finished=self._on_step_finished,
             on_comm_sample=self._fitter.add if self._fitter is not None else None,
             raise_on_nonfinite=self.nonfinite == "raise",
+            clip_per_sqrt_element=self._clip_per_sqrt_element(),
+            measure_health=self.step % HEALTH_EVERY == 0,
+            track_staleness=self.track_staleness,
         )
         # the step this backward completes (counted from 1); the counter itself only
         # advances at the last bucket, possibly after the collectives finished
         self._exchange.step_number = self.step + 1
         self._exchange.warmup = self.step < self.warmup_steps
         self._pending_groups = list(range(len(self.plan.groups))) if self.plan is not None else []
+
+    def _clip_per_sqrt_element(self):
+        """``local_clip_norm / sqrt(N * world_size)``: a group of D elements is clipped to
+        this times ``sqrt(D)`` (see ``local_clip_norm``); None when clipping is off."""
+        if self.local_clip_norm is None:
+            return None
+        total = sum(math.prod(shape) for shape in self._shapes.values())
+        return self.local_clip_norm / math.sqrt(total * self.world_size)
 
     def _send_ready_groups(self, exchange):
         """Issue, in plan order, every not-yet-sent group whose parameters all arrived."""
@@ -896,6 +943,7 @@ class OMGSState:
         candidates on the background planner's thread, and put the result in use at
         bucket 0 of step ``self.step + PLAN_LAG`` - the same step on every rank."""
         instance, inputs = self._build_instance(layout)
+        self._plan_instance = (tuple(tuple(b) for b in layout), instance)  # for summary()
         self._comm_override = inputs.pop("comm_override")
         self._planned_with = inputs
         self._warn_if_coarse(layout, [u.numel for u in instance.layers])
@@ -1005,6 +1053,10 @@ class OMGSState:
         start = self.meter.wall_step_start
         step_number = exchange.step_number
         self._last_exchange = exchange
+        if exchange.health and all(res is not None for _, res in exchange.health):
+            self._health = (step_number, exchange.health)  # read lazily in stats()
+        if exchange.staleness:
+            self._staleness = (step_number, exchange.staleness)
         self._last = {
             "step": step_number,
             "bytes_sent": nbytes,
@@ -1082,8 +1134,14 @@ class OMGSState:
         re-planning cost that step), ``"replan_stall_s"`` (``last`` and ``max``: host
         seconds a step spent on re-planning on the autograd thread - gathering the
         numbers at the end of a step, switching plans at the start of one, the wait
-        included) and ``"planned_with"`` (the forward, tail and
-        per-group overhead the last plan was made with).
+        included), ``"planned_with"`` (the forward, tail and
+        per-group overhead the last plan was made with), ``"error_feedback"`` (measured
+        every ``HEALTH_EVERY`` = 10 steps: ``step``, this rank's ``gradient_norm`` - its
+        local gradient after any ``local_clip_norm`` - the ``residual_norm`` left after
+        sending, and their ratio ``residual_to_gradient``; a ratio that keeps growing
+        means error feedback is holding back more than it releases) and, with
+        ``track_staleness``, ``"staleness"`` (per sparse group of the last step: its
+        elements and the ``max`` and ``mean`` steps since an element was last sent).
         """
         total = dict(self._totals)
         all_elements, all_selected = total["elements"], total["selected"]
@@ -1129,7 +1187,26 @@ class OMGSState:
             "tail_s": self.meter.tail_s(),
             "residual_norm": self.memory.total_norm(),
             "comm_model": self._comm_model_report(),
+            "error_feedback": self._error_feedback_report(),
+            "staleness": self._staleness_report(),
         }
+
+    def _error_feedback_report(self):
+        if self._health is None:
+            return None
+        step, per_group = self._health
+        grad = math.sqrt(sum(float(g) for g, _ in per_group))
+        residual = math.sqrt(sum(float(r) for _, r in per_group))
+        return {"step": step, "gradient_norm": grad, "residual_norm": residual,
+                "residual_to_gradient": residual / grad if grad > 0 else None}
+
+    def _staleness_report(self):
+        if self._staleness is None:
+            return None
+        step, groups = self._staleness
+        return {"step": step, "groups": [
+            {"group": i, "elements": ages.numel(), "max": int(ages.max()),
+             "mean": float(ages.double().mean())} for i, (_, ages) in enumerate(groups)]}
 
     def _comm_model_report(self):
         if self.profile is None:
@@ -1138,6 +1215,85 @@ class OMGSState:
         return {"alpha_s": comm.alpha_s, "beta_s_per_byte": comm.beta_s_per_byte,
                 "refit_online": self._comm_override is not None,
                 "profile": self.profile.path or self.profile.source}
+
+    def summary(self):
+        """The run so far in a few lines of text: the plan - its groups, which are dense
+        and why (the model's cost of sending each group sparse and dense) and how it was
+        chosen -, the achieved density of the sparse steps, bytes per step against dense
+        all-reduce, and the predicted and measured step. ``scripts/train.py`` prints it
+        at the end of a run."""
+        s = self.stats()
+        lines = []
+        plan = self.plan
+        if plan is None:
+            lines.append(f"omgs_hook after {s['step']} steps: no plan yet (dense warm-up of "
+                         f"{self.warmup_steps} steps)")
+        else:
+            history = s["plan_history"]
+            how = history[-1]["reason"] if history else "model"
+            lines.append(
+                f"omgs_hook after {s['step']} steps: plan '{plan.strategy}' ({how}, in use "
+                f"since step {plan.made_at_step}): {len(plan.groups)} groups, "
+                f"{sum(plan.dense)} dense, density {self.density:g}, select={self.select}")
+            costs = None
+            if self._plan_instance is not None and self._plan_instance[0] == plan.layout:
+                costs = self._plan_instance[1]
+            for g, units in enumerate(plan.unit_groups()):
+                numel = sum(math.prod(self._shapes[k]) for k in plan.groups[g])
+                span = f"bucket {units[0]}" if len(units) == 1 else f"buckets {units[0]}-{units[-1]}"
+                text = f"  group {g}: {span}, {numel:,} elements, {'dense' if plan.dense[g] else 'sparse'}"
+                if costs is not None:
+                    sparse_s = costs.topk_time(numel) + costs.sparse_comm_time(numel)
+                    text += f"; model: sparse {sparse_s * 1e3:.2f} ms (top-k + all-gather)"
+                    if costs.dense is not None:
+                        text += f", dense {costs.dense_comm_time(numel) * 1e3:.2f} ms (all-reduce)"
+                    else:
+                        text += ", dense not allowed"
+                lines.append(text)
+            last_trial = s["selection"]["last_trial"]
+            if last_trial:
+                tried = ", ".join(
+                    f"{c['name']} {c['predicted_s'] * 1e3:.0f}/"
+                    f"{'-' if c.get('measured_s') is None else format(c['measured_s'] * 1e3, '.0f')} ms"
+                    for c in last_trial["candidates"])
+                lines.append(f"  measured selection (predicted/measured): {tried}; "
+                             f"winner {last_trial['winner']}")
+        total, last = s["total"], s["last"] or {}
+        lines.append(f"  achieved density after the warm-up: {total['density']:.4g} "
+                     f"(sparse groups alone: {total['sparse_group_density']:.4g})")
+        if last:
+            ratio = last["dense_bytes"] / last["bytes_sent"] if last["bytes_sent"] else 0.0
+            lines.append(f"  bytes sent per step: {last['bytes_sent'] / 1e3:,.1f} kB against "
+                         f"{last['dense_bytes'] / 1e3:,.1f} kB dense ({ratio:.1f}x less)")
+        predicted, measured = s["predicted_iteration_s"], s["measured_iteration_s"] or s["step_s"]
+        if predicted is not None and measured:
+            lines.append(f"  step: predicted {predicted:.4f} s, measured {measured:.4f} s "
+                         f"({(predicted / measured - 1) * 100:+.0f}%)")
+        return "\n".join(lines)
+
+    def plot_timeline(self, path):
+        """Draw the last step's timeline as the model predicted it (for the plan in use)
+        above the one measured on this rank's host clock, and save it to ``path`` (PNG,
+        SVG or PDF). Needs matplotlib; the measured panel needs ``module`` (forward
+        timing). Raises RuntimeError before the first planned, measured step."""
+        from .cost_model import schedule
+        from .timeline_plot import measured_schedule, plot_timelines
+
+        exchange = self._last_exchange
+        if self.plan is None or exchange is None or self.meter.wall_step_start is None:
+            raise RuntimeError("omgs_hook.plot_timeline: no planned, measured step yet")
+        panels = []
+        if self._plan_instance is not None and self._plan_instance[0] == self.plan.layout:
+            instance = self._plan_instance[1]
+            panels.append((f"predicted ({self.plan.strategy})",
+                           schedule(instance, self.plan.unit_groups(), self.plan.dense)))
+        end = self._forward_end_wall
+        start = self.meter.wall_step_start
+        panels.append((f"measured, step {exchange.step_number}",
+                       measured_schedule(start, end if end is not None and end >= start else None,
+                                         exchange.arrival_wall, exchange.layout, exchange.records)))
+        return plot_timelines(panels, path, title=f"omgs_hook timeline, density {self.density:g}, "
+                                                  f"{self.world_size} ranks")
 
     def summary_line(self, step_number=None):
         s = self.stats()

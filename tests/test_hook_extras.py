@@ -1,0 +1,118 @@
+"""The hook's extras under real DDP (2 gloo ranks): local gradient clipping, the
+error-feedback health and staleness figures, summary() and plot_timeline()."""
+
+import gc
+import math
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import omgs_hook
+from ddp_harness import run_ranks
+from test_hook_ddp import Net, batch, gather, loss_fn
+
+pytestmark = pytest.mark.multiprocess
+
+
+def clip_worker(rank, world_size, clip):
+    torch.manual_seed(0)
+    model, reference = Net(), Net()
+    reference.load_state_dict(model.state_dict())
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=0.05, strategy="layerwise", allow_dense=False,
+                               select="model", warmup_steps=1, local_clip_norm=clip)
+    x, y = batch(0, rank)
+    loss_fn(reference(x), y).backward()
+    local = {n: p.grad.reshape(-1).clone() for n, p in reference.named_parameters()}
+    loss_fn(ddp(x), y).backward()  # step 0: the dense warm-up, one bucket of everything
+    got = {n: p.grad.reshape(-1).clone() for n, p in model.named_parameters()}
+    keys = state.stats()["last"]["group_keys"]
+    all_local = gather(local, world_size)
+    total = sum(v.numel() for v in local.values())
+    expected = {}
+    for group in keys:  # each rank's group scaled to norm <= clip * sqrt(D/N) / sqrt(W)
+        numel = sum(local[k].numel() for k in group)
+        threshold = clip * math.sqrt(numel / total) / math.sqrt(world_size)
+        summed = {k: torch.zeros_like(local[k], dtype=torch.float64) for k in group}
+        for r in range(world_size):
+            norm = math.sqrt(sum(float(all_local[r][k].double().square().sum()) for k in group))
+            factor = min(1.0, threshold / norm)
+            for k in group:
+                summed[k] += all_local[r][k].double() * factor
+        expected.update({k: v / world_size for k, v in summed.items()})
+    worst = max(float((got[k].double() - expected[k]).abs().max()) for k in got)
+    norm = math.sqrt(sum(float(v.double().square().sum()) for v in got.values()))
+    state.close()
+    del ddp
+    gc.collect()
+    return worst, norm
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("clip", [1e-3, 1e9])
+def test_local_clipping_scales_each_ranks_gradient_before_it_is_averaged(clip):
+    for worst, norm in run_ranks("test_hook_extras", "clip_worker", world_size=2, timeout=100,
+                                 clip=clip):
+        assert worst < 1e-7
+        if clip < 1:  # clipped: the average's norm is bounded by clip / sqrt(W)
+            assert norm <= clip / math.sqrt(2) * (1 + 1e-5)
+
+
+def extras_worker(rank, world_size, png):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=0.05, strategy="layerwise", allow_dense=False,
+                               select="model", warmup_steps=1, track_staleness=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(RuntimeError, match="no planned"):
+        state.plot_timeline(png)
+    before = state.summary()
+    for step in range(21):  # health is measured at steps 0, 10, 20 (step 20 is the last)
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+    s = state.stats()
+    health, staleness = s["error_feedback"], s["staleness"]
+    residual_now = state.memory.total_norm()
+    text = state.summary()
+    if rank == 0:
+        state.plot_timeline(png)
+    state.close()
+    del ddp
+    gc.collect()
+    return before, health, staleness, residual_now, text, s["last"]["groups"]
+
+
+@pytest.mark.timeout(120)
+def test_health_staleness_summary_and_timeline_plot(tmp_path):
+    png = tmp_path / "timeline.png"
+    results = run_ranks("test_hook_extras", "extras_worker", world_size=2, timeout=100,
+                        png=str(png))
+    for before, health, staleness, residual_now, text, groups in results:
+        assert "no plan yet" in before
+        assert health["step"] == 21
+        assert health["residual_norm"] == pytest.approx(residual_now, rel=1e-5)
+        assert health["residual_to_gradient"] == pytest.approx(
+            health["residual_norm"] / health["gradient_norm"])
+        assert health["residual_to_gradient"] > 0
+        assert staleness["step"] == 21 and len(staleness["groups"]) == groups
+        # density 0.05: most entries wait; none can be older than the sparse steps run
+        assert all(1 <= g["max"] <= 21 and 0 < g["mean"] < g["max"] for g in staleness["groups"])
+        assert f"{groups} groups" in text and "group 0:" in text and "sparse" in text
+        assert "dense not allowed" in text and "achieved density" in text
+        assert "bytes sent per step" in text and "predicted" in text
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_extra_options_name_the_option():
+    with pytest.raises(ValueError, match="local_clip_norm"):
+        omgs_hook.OMGSState(local_clip_norm=-1.0, module=torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="local_clip_norm needs the module"):
+        omgs_hook.OMGSState(local_clip_norm=1.0)
+    with pytest.raises(ValueError, match="track_staleness"):
+        omgs_hook.OMGSState(track_staleness="yes")
+    state = omgs_hook.OMGSState()
+    assert state.local_clip_norm is None and state.track_staleness is False
