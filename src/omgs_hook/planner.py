@@ -348,9 +348,11 @@ EXACT_UNITS = 1000
 # (SearchBudgetWarning). A count, not a time, so that every rank stops at the same
 # point (about half a second to a second of work here).
 SEARCH_BUDGET = 10_000_000
-# Candidate budget of each search's first turn in the race of `_search` (doubled every
-# round).
+# Candidate budget of the forward search's first turn in the race of `_search`.
 _RACE_START_BUDGET = 250_000
+# Factor by which the turns' budgets grow each round. A turn that finishes stops there,
+# so only the turns that run out are wasted work: about 1 / (growth - 1) of the winner's.
+_RACE_GROWTH = 4
 # States kept per prefix by the beam search that supplies upper bounds.
 _BEAM_WIDTH = 4
 # Up to this many units the layerwise plan is one of the upper-bound candidates.
@@ -366,7 +368,8 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     the forward search over ``(c, e)`` fronts (:class:`_FrontierSearch`) and the
     backward search over ``(Ys, G)`` fronts (:class:`_SuffixSearch`). Each is fast on
     instances where the other can be slow, so they take turns with the same candidate
-    budget, doubled every round, and the first to finish returns the optimum (both are
+    budget, growing by :data:`_RACE_GROWTH` every round, and the first to finish returns
+    the optimum (both are
     exact, so which one finishes does not change the plan's time; ties between equal
     plans are broken by a fixed order). The turns depend on counts only, never on a
     clock, so every rank takes the same turns. After the first turn a beam search
@@ -423,7 +426,7 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
         _least_topk_time(inst, prefix_sums[0]) if inst.dense is None else None
     )
     while not valve_closed():
-        budget *= 2
+        budget *= _RACE_GROWTH
         # the backward search costs about three times as much per candidate (and with
         # a dense cost it is rarely the faster one): equal turns in time, not in count
         backward = _SuffixSearch(
