@@ -265,7 +265,20 @@ def run_one(name, hook, density, seed, args, workdir, density_warmup=0):
         "achieved_density": total.get("density"),  # dense warm-up steps included
         "last_step_density": last.get("density"),
         "nonfinite_steps": total.get("nonfinite_steps"),
+        # every plan the run used (train.py's summary): the grouping changes the math
+        "plan_history": [_plan_entry(e) for e in summary.get("plan_history") or []],
     }
+
+
+def _plan_entry(entry):
+    """A plan-history entry, compact: first step, strategy, reason, group sizes in
+    buckets, dense flags."""
+    plan = entry.get("plan") if isinstance(entry.get("plan"), dict) else entry
+    groups = plan.get("groups") or []
+    return {"step": entry.get("step", plan.get("made_at_step")),
+            "strategy": plan.get("strategy"), "reason": entry.get("reason"),
+            "group_sizes": [len(g) if isinstance(g, (list, tuple)) else g for g in groups],
+            "dense": [bool(d) for d in plan.get("dense") or []]}
 
 
 def load_results(path):
@@ -406,6 +419,17 @@ def render_epochs(data, epochs):
             f"{', '.join(map(str, groups)) or '-'} | "
             f"{'-' if sent is None else f'{sent / 1e3:.1f} kB'} | {verdict} |")
     out.append("")
+    planned = [r for r in runs if r.get("plan_history")]
+    if planned:
+        out.append("Plans each run used (first step: strategy, groups of buckets, dense "
+                   "groups, how it was chosen); a run is reproducible bit for bit on the same "
+                   "machine when its plan is pinned (`--plan`, the hook's `plan=`):\n")
+        for run in sorted(planned, key=lambda r: (r["config"], r["seed"])):
+            steps = "; ".join(
+                f"step {e['step']}: {e['strategy']} {len(e['group_sizes'])} groups"
+                f" ({sum(e['dense'])} dense, {e['reason']})" for e in run["plan_history"])
+            out.append(f"- {run['config']} seed {run['seed']}: {steps}")
+        out.append("")
     profiles = {}
     for run in runs:
         costs = run.get("profile_costs")
