@@ -860,7 +860,10 @@ class OMGSState:
         ]
         for pair in optional:  # each as a, b, known
             local += [pair[0], pair[1], 1.0] if pair is not None else [0.0, 0.0, 0.0]
-        rows = self._gather_rows(local)
+        # one all-gather for the planning row and the per-step timelines (every gather on
+        # the autograd thread waits for the slowest rank: fewer is a shorter stall)
+        gathered = self._gather_rows(local + self._timeline_table(layout))
+        rows, tables = gathered[:, :len(local)], gathered[:, len(local):]
         mean = [float(x) for x in rows.mean(dim=0)]  # same order on every rank: identical
         n = len(layout)
 
@@ -872,7 +875,7 @@ class OMGSState:
             return max(0.0, mean[at]), max(0.0, mean[at + 1])
 
         backward_s, forward_s, tail_s = mean[:n], mean[n], mean[n + 1]
-        slowest = self._slowest_rank_timeline(layout)
+        slowest = self._slowest_rank_timeline(tables, layout)
         if slowest is not None:
             tail_s, forward_s, backward_s = slowest[0], slowest[1], slowest[2:]
         refit, overhead, writeback = (agreed_pair(i) for i in range(len(optional)))
@@ -921,9 +924,9 @@ class OMGSState:
                   "comm_override": network if network is not self.profile.comm else None}
         return instance, inputs
 
-    def _slowest_rank_timeline(self, layout):
-        """``[tail, forward, backward per bucket]`` of the slowest rank per step, or None
-        (see :func:`~omgs_hook.measurements.slowest_rank_timeline`). Collective."""
+    def _timeline_table(self, layout):
+        """This rank's per-step timelines for ``layout`` as a flat fixed-size row (a
+        window of ``[step, tail, forward, backward per bucket]``, -1 where empty)."""
         width = len(layout) + 2
         own = self.meter.timelines() if self.meter.layout == layout else []
         table = torch.full((self.meter.window, width + 1), -1.0, dtype=torch.float64)
@@ -931,8 +934,14 @@ class OMGSState:
             if len(row) == width:
                 table[i, 0] = step
                 table[i, 1:] = torch.tensor(row, dtype=torch.float64)
-        gathered = self._gather_rows(table.view(-1).tolist()).view(
-            self.world_size, self.meter.window, width + 1)
+        return table.view(-1).tolist()
+
+    def _slowest_rank_timeline(self, tables, layout):
+        """``[tail, forward, backward per bucket]`` of the slowest rank per step, or None
+        (see :func:`~omgs_hook.measurements.slowest_rank_timeline`), from every rank's
+        gathered :meth:`_timeline_table`."""
+        width = len(layout) + 2
+        gathered = tables.reshape(self.world_size, self.meter.window, width + 1)
         per_rank = [[(int(r[0]), r[1:].tolist()) for r in rank_rows if r[0] >= 0]
                     for rank_rows in gathered]
         return slowest_rank_timeline(per_rank)
