@@ -163,6 +163,7 @@ def test_budget_warning_is_one_line_on_stderr(tmp_path, capsys, monkeypatch):
     from omgs_hook import planner
 
     monkeypatch.setattr(planner, "SEARCH_BUDGET", 3)
+    monkeypatch.setattr(planner, "EXACT_UNITS", 0)  # the valve at every size
     status, out, err = run_main(capsys, [write(tmp_path, INSTANCE)])
     assert status == 0 and json.loads(out)["groups"]
     assert err.startswith("omgs-plan: warning: ") and err.count("\n") == 1

@@ -533,18 +533,32 @@ def test_plans_are_deterministic_and_break_ties_the_same_way():
 
 
 def test_no_budget_and_no_warning_up_to_exact_units(monkeypatch):
-    """Up to EXACT_UNITS units `optimal` is exact whatever SEARCH_BUDGET says: a tiny
-    budget and race turns only make the two searches take more turns."""
+    """Up to EXACT_UNITS units a sparse `optimal` is exact whatever SEARCH_BUDGET says: a
+    tiny budget and race turns only make the two searches take more turns."""
     rng = np.random.default_rng(2)
     monkeypatch.setattr(planner, "SEARCH_BUDGET", 1)
     monkeypatch.setattr(planner, "_RACE_START_BUDGET", 4)
-    for dense in (False, True):
+    for dense in (False,):
         for _ in range(6):
             inst = random_instance(rng, int(rng.integers(20, 60)), dense=dense)
             with warnings.catch_warnings():
                 warnings.simplefilter("error", SearchBudgetWarning)
                 plan = make_plan(inst)
             assert plan.predicted_iteration_s == pytest.approx(reference_optimum(inst), rel=REL)
+
+
+def test_with_a_dense_cost_the_budget_always_bounds_the_search(monkeypatch):
+    """Dense fronts can take minutes to search exhaustively; a plan that late would stall
+    training, so with a dense cost SEARCH_BUDGET applies at every size."""
+    rng = np.random.default_rng(2)
+    inst = random_instance(rng, 40, dense=True)
+    exact = make_plan(inst)  # the real budget suffices here
+    assert exact.predicted_iteration_s == pytest.approx(reference_optimum(inst), rel=REL)
+    monkeypatch.setattr(planner, "SEARCH_BUDGET", 1)
+    monkeypatch.setattr(planner, "_RACE_START_BUDGET", 4)
+    with pytest.warns(SearchBudgetWarning):
+        bounded = make_plan(inst)
+    assert exact.predicted_iteration_s <= bounded.predicted_iteration_s * (1 + 1e-12)
 
 
 def test_search_budget_is_a_safety_valve_beyond_exact_units(monkeypatch):

@@ -33,12 +33,14 @@ exactly, with the same search restricted to the given group boundaries
 (:func:`best_modes`). Without a dense cost every group is sparse and all results are
 those of the sparse model.
 
-Exactness and the safety valve: up to :data:`EXACT_UNITS` (1000) units ``optimal`` is
-always the exact optimum - two exact searches, forward over ``(c, e)`` fronts
-(:class:`_FrontierSearch`) and backward over ``(Ys, G)`` fronts (:class:`_SuffixSearch`),
-take turns with growing candidate budgets until one finishes (:func:`_search`). Only
-beyond that size does :data:`SEARCH_BUDGET` stop a search; ``optimal`` then returns the
-best plan found and emits :class:`SearchBudgetWarning`.
+Exactness and the safety valve: without a dense cost, up to :data:`EXACT_UNITS` (1000)
+units, ``optimal`` is always the exact optimum - two exact searches, forward over
+``(c, e)`` fronts (:class:`_FrontierSearch`) and backward over ``(Ys, G)`` fronts
+(:class:`_SuffixSearch`), take turns with growing candidate budgets until one finishes
+(:func:`_search`). Beyond that size, and always with a dense cost (whose fronts can take
+minutes to search exhaustively), :data:`SEARCH_BUDGET` stops a search that has not
+finished; ``optimal`` then returns the best plan found and emits
+:class:`SearchBudgetWarning`.
 
 Determinism: a plan depends only on the instance - no randomness, timing or object
 hashing - and ties are broken by fixed orders (stable sorts; among equal states the one
@@ -336,12 +338,13 @@ def best_modes(inst: Instance, groups) -> Tuple[bool, ...]:
 
 
 class SearchBudgetWarning(UserWarning):
-    """Only beyond :data:`EXACT_UNITS` units: the exact searches hit
+    """With a dense cost, or beyond :data:`EXACT_UNITS` units: the exact searches hit
     :data:`SEARCH_BUDGET`; the plan returned is the best one a bounded (beam) search and
     the heuristics found, not a proven optimum."""
 
 
-# Up to this many units `optimal` is always exact: no budget, no fallback.
+# Up to this many units `optimal` without a dense cost is always exact: no budget, no
+# fallback (with a dense cost the SEARCH_BUDGET valve always applies).
 EXACT_UNITS = 1000
 # The safety valve beyond EXACT_UNITS units: candidate states all the searches of one
 # plan may examine before `optimal` returns the best plan found so far
@@ -377,7 +380,7 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     about three times as much per candidate, so its turns have a third of the count
     (a quarter with a dense cost, where it rarely wins): turns are about equal in time.
 
-    Beyond :data:`EXACT_UNITS` units, once the turns together have examined
+    With a dense cost, or beyond :data:`EXACT_UNITS` units, once the turns together have examined
     :data:`SEARCH_BUDGET` candidates, the best plan found so far is returned with a
     :class:`SearchBudgetWarning` (the documented safety valve). Setting
     ``EXACT_UNITS = 0`` applies that valve at every size.
@@ -396,7 +399,7 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
         ).solve()
         return exact if exact is not None else _budget_exceeded(inst, best_plan)
 
-    # the safety valve (beyond EXACT_UNITS units only) caps the candidates of all turns
+    # the safety valve (dense, or beyond EXACT_UNITS units) caps the candidates of all turns
     # together, counted as budgets granted
     valve = _valve(inst)
     granted = 0
@@ -450,8 +453,15 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
 
 
 def _valve(inst: Instance) -> Optional[int]:
-    """The search budget: none (exact) up to EXACT_UNITS units, SEARCH_BUDGET beyond."""
-    return None if inst.num_units <= EXACT_UNITS else SEARCH_BUDGET
+    """The search budget: none (exact) for sparse instances up to EXACT_UNITS units,
+    SEARCH_BUDGET otherwise. With a dense cost the fronts can hold hundreds of thousands
+    of states (minutes of search on 100-1000 units), and a plan that arrives minutes late
+    stalls training - the hook waits for it at the agreed step - so there the valve
+    always applies (about a second of work); the measured selection then checks the
+    plan against its alternatives anyway."""
+    if inst.dense is None and inst.num_units <= EXACT_UNITS:
+        return None
+    return SEARCH_BUDGET
 
 
 def _budget_exceeded(inst: Instance, best_plan):
