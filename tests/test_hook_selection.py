@@ -276,7 +276,9 @@ def background_worker(rank, world_size, steps, slow_rank_sleep_s):
         apply(result)
 
     state._submit_plan_job, state._apply_plan_result = record_submit, record_apply
-    train_steps(ddp, opt, 0, steps, rank)
+    for step in range(steps):  # steps of ~20 ms, so a slow plan spans several of them
+        train_steps(ddp, opt, step, step + 1, rank)
+        time.sleep(0.02)
     stats = state.stats()
     del ddp, state
     gc.collect()
@@ -288,14 +290,17 @@ def background_worker(rank, world_size, steps, slow_rank_sleep_s):
 
 @pytest.mark.timeout(180)
 def test_re_planning_runs_off_the_autograd_thread_and_every_rank_switches_at_the_same_step():
-    results = run_ranks("test_hook_selection", "background_worker", world_size=2, steps=14,
-                        slow_rank_sleep_s=1.0)
+    results = run_ranks("test_hook_selection", "background_worker", world_size=2, steps=40,
+                        slow_rank_sleep_s=0.25)
     fast, slow = results
     assert fast["on_main_thread"] and not any(fast["on_main_thread"] + slow["on_main_thread"])
-    # gathered at the end of step 1 (self.step == 2), in use from step 4; then periodic
-    assert fast["submitted"][:2] == [2, 8] and fast["applied"][:2] == [4, 10]
+    # gathered at the end of step 1 (self.step == 2); switched once both planners were
+    # done - rank 1's takes 0.25 s, a dozen steps, so later than the earliest agreed
+    # step 4 - at the same step on both ranks; then periodic
+    assert fast["submitted"][0] == 2 and fast["applied"][0] > 4
     assert slow["submitted"] == fast["submitted"] and slow["applied"] == fast["applied"]
-    assert all(a == s + 2 for s, a in zip(fast["submitted"], fast["applied"]))
-    # the slow planner made its own rank wait at the agreed step rather than switch later
-    assert slow["wait"] > 0 and fast["replans"] == slow["replans"] == len(fast["submitted"])
-    assert slow["stall"]["max"] >= slow["wait"] > 0  # the stall report includes the wait
+    assert all(a >= s + 2 for s, a in zip(fast["submitted"], fast["applied"]))
+    assert fast["replans"] == slow["replans"] == len(fast["submitted"]) >= 2
+    # nobody waited for a planner: the slow plan cost no step more than its small gather
+    assert slow["wait"] == 0.0 and fast["wait"] == 0.0
+    assert slow["stall"]["max"] < 0.5 and fast["stall"]["max"] < 0.5

@@ -618,12 +618,15 @@ class OMGSState:
             self._last_step_s = now - previous[1]
             if self._trial is not None:
                 self._trial.record(previous[0], self._last_step_s)
-        if self._plan_job is not None:
+        if self._plan_job is not None and self.step >= int(self._plan_job["apply_at_step"]):
             started = time.perf_counter()
-            result = self._planner.poll(self.step)  # None before the agreed step
-            if result is not None:
-                self._apply_plan_result(result)
-                self._note_stall(time.perf_counter() - started)
+            # Switch once every rank's planner has finished, decided from gathered flags
+            # (the same on every rank): a slow plan (a large search) never holds a step,
+            # the plan in use stays until then, at one tiny all-gather per step.
+            ready = self._gather_rows([1.0 if self._planner.ready else 0.0])
+            if float(ready.min()) > 0:
+                self._apply_plan_result(self._planner.poll(self.step))
+            self._note_stall(time.perf_counter() - started)
         if self._trial is not None:
             self._advance_trial()
         self._exchange = StepExchange(
