@@ -79,7 +79,8 @@ SELECT_MODES = ("measured", "model")
 # plan_history keeps the newest this many entries
 PLAN_HISTORY_LIMIT = 1000
 # a re-plan's inputs are gathered at the end of step s; the plan, computed on a worker
-# thread meanwhile, is put in use at the start of step s + PLAN_LAG on every rank
+# thread meanwhile, is put in use at the start of step s + PLAN_LAG or, when some rank's
+# planner is not done by then, of the first later step at which every rank's is
 PLAN_LAG = 2
 WORLD_SIZE_POLICIES = ("error", "reset")
 # A bucket layout that differs from the plan's must persist this many steps before it
@@ -953,7 +954,8 @@ class OMGSState:
         """Re-plan for ``layout``: gather every rank's measurements now (small blocking
         all-gathers, here on the autograd thread), compute the plan and the trial's
         candidates on the background planner's thread, and put the result in use at
-        bucket 0 of step ``self.step + PLAN_LAG`` - the same step on every rank."""
+        bucket 0 of step ``self.step + PLAN_LAG`` or the first later step at which every
+        rank's planner is done - the same step on every rank."""
         instance, inputs = self._build_instance(layout)
         self._plan_instance = (tuple(tuple(b) for b in layout), instance)  # for summary()
         self._comm_override = inputs.pop("comm_override")
