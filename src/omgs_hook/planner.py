@@ -801,21 +801,8 @@ class _FrontierSearch:
             # Pareto front: sort by c (stable, so earlier candidates win ties) and keep a
             # state when its e is clearly below the e of every state before it
             if size > 1:
-                order = cand_c.argsort(kind="stable")
-                e_sorted = cand_e[order]
-                keep = np.empty(size, dtype=bool)
-                keep[0] = True
-                np.less(e_sorted[1:], np.minimum.accumulate(e_sorted)[:-1] - tie, out=keep[1:])
-                chosen = order[keep]
-                new_e = e_sorted[keep]
-                new_c = cand_c[chosen]
-                if chosen.size > 1:
-                    # c equal up to rounding: keep only the later one (smaller e)
-                    distinct = np.empty(chosen.size, dtype=bool)
-                    distinct[-1] = True
-                    np.greater(new_c[1:] - new_c[:-1], tie, out=distinct[:-1])
-                    if np.count_nonzero(distinct) < chosen.size:
-                        chosen, new_c, new_e = chosen[distinct], new_c[distinct], new_e[distinct]
+                chosen, new_c, new_e = _pareto_front(
+                    cand_c, cand_e, cand_c.argsort(kind="stable"), tie)
             else:
                 chosen = np.zeros(size, np.int64)
                 new_c, new_e = cand_c, cand_e
@@ -914,6 +901,29 @@ class _FrontierSearch:
             flags.append(bool(dense[state]))
             state = int(parent[state])
         return tuple(reversed(bounds)), tuple(reversed(flags))
+
+
+def _pareto_front(first, second, order, tie):
+    """The Pareto front of candidate states ``(first, second)`` (both to be minimised),
+    given ``order``, the candidates sorted by ``first`` with ties in the order that
+    should win. A state is kept when its ``second`` is clearly (by more than ``tie``)
+    below that of every state before it; of states whose ``first`` is equal up to
+    ``tie`` only the later one (smaller ``second``) is kept. Returns the kept candidates'
+    indices and their ``first`` and ``second``, in front order."""
+    second_sorted = second[order]
+    keep = np.empty(order.size, dtype=bool)
+    keep[0] = True
+    np.less(second_sorted[1:], np.minimum.accumulate(second_sorted)[:-1] - tie, out=keep[1:])
+    chosen = order[keep]
+    new_second = second_sorted[keep]
+    new_first = first[chosen]
+    if chosen.size > 1:
+        distinct = np.empty(chosen.size, dtype=bool)
+        distinct[-1] = True
+        np.greater(new_first[1:] - new_first[:-1], tie, out=distinct[:-1])
+        if np.count_nonzero(distinct) < chosen.size:
+            chosen, new_first, new_second = chosen[distinct], new_first[distinct], new_second[distinct]
+    return chosen, new_first, new_second
 
 
 def _dominated_by_later(images, e, newest):
@@ -1138,21 +1148,8 @@ class _SuffixSearch:
             count = pool.size
             if count > 1:
                 py, pg = cand_y[pool], cand_g[pool]
-                order = np.lexsort((pg, py))  # by Ys, equal Ys by G, then first come
-                g_sorted = pg[order]
-                keep = np.empty(count, dtype=bool)
-                keep[0] = True
-                np.less(g_sorted[1:], np.minimum.accumulate(g_sorted)[:-1] - tie, out=keep[1:])
-                chosen = order[keep]
-                new_y = py[chosen]
-                new_g = g_sorted[keep]
-                if chosen.size > 1:
-                    # Ys equal up to rounding: keep only the later one (smaller G)
-                    distinct = np.empty(chosen.size, dtype=bool)
-                    distinct[-1] = True
-                    np.greater(new_y[1:] - new_y[:-1], tie, out=distinct[:-1])
-                    if np.count_nonzero(distinct) < chosen.size:
-                        chosen, new_y, new_g = chosen[distinct], new_y[distinct], new_g[distinct]
+                # by Ys, equal Ys by G, then first come
+                chosen, new_y, new_g = _pareto_front(py, pg, np.lexsort((pg, py)), tie)
                 chosen = pool[chosen]
             else:
                 chosen = pool
