@@ -229,30 +229,29 @@ class SweepSettings:
     min_points: int = MIN_POINTS
 
 
+def _sweep_sizes(explicit, quick, quick_sizes, option, maximum, minimum, span, multiple=1):
+    """The sizes of one sweep: the explicit ones, the quick ones, or the geometric sweep
+    from ``minimum`` to ``maximum`` (``option``), which must reach ``span`` times the
+    minimum."""
+    if explicit:
+        return explicit
+    if quick:
+        return list(quick_sizes)
+    if maximum < span * minimum:
+        raise SystemExit(f"omgs-profile: {option}: must be at least {span * minimum} "
+                         f"(the sweep starts at {minimum})")
+    return geometric_sizes(minimum, maximum, multiple=multiple)
+
+
 def resolve_settings(args):
     """Fill sweep defaults (adaptive, ``--quick`` or explicit) and check it can be fitted."""
     adaptive = args.sizes is None and args.topk_sizes is None and not args.quick
-    if args.sizes:
-        sizes = args.sizes
-    elif args.quick:
-        sizes = list(QUICK_SIZES)
-    else:
-        if args.max_size < 2 * DEFAULT_MIN_SIZE:
-            raise SystemExit(f"omgs-profile: --max-size: must be at least "
-                             f"{2 * DEFAULT_MIN_SIZE} (the sweep starts at {DEFAULT_MIN_SIZE})")
-        sizes = geometric_sizes(DEFAULT_MIN_SIZE, args.max_size, multiple=8)
+    sizes = _sweep_sizes(args.sizes, args.quick, QUICK_SIZES, "--max-size", args.max_size,
+                         DEFAULT_MIN_SIZE, 2, multiple=8)
     # whole packed entries: one entry = one float32 value + one int32 index = 8 bytes
     sizes = sorted({max(8, -(-s // 8) * 8) for s in sizes})
-    if args.topk_sizes:
-        topk_sizes = args.topk_sizes
-    elif args.quick:
-        topk_sizes = list(QUICK_TOPK_SIZES)
-    else:
-        if args.max_topk_size < 4 * DEFAULT_MIN_TOPK_SIZE:
-            raise SystemExit(f"omgs-profile: --max-topk-size: must be at least "
-                             f"{4 * DEFAULT_MIN_TOPK_SIZE} (the sweep starts at "
-                             f"{DEFAULT_MIN_TOPK_SIZE})")
-        topk_sizes = geometric_sizes(DEFAULT_MIN_TOPK_SIZE, args.max_topk_size)
+    topk_sizes = _sweep_sizes(args.topk_sizes, args.quick, QUICK_TOPK_SIZES, "--max-topk-size",
+                              args.max_topk_size, DEFAULT_MIN_TOPK_SIZE, 4)
     if len(sizes) < 2:
         raise SystemExit(
             "omgs-profile: --sizes: need at least 2 distinct sizes to fit alpha and beta")
