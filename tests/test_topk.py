@@ -544,3 +544,61 @@ def test_bench_script_smoke(tmp_path):
     assert "| 4e+04 | 0.01 | 400 |" in out_md.read_text()
     with pytest.raises(SystemExit):
         bench.main(["--sizes", "0"])
+
+
+def _runs_of(values, cuts, dtype):
+    """Split ``values`` at ``cuts`` into separate gradient tensors (like bucket runs)."""
+    runs, start = [], 0
+    for stop in list(cuts) + [values.numel()]:
+        runs.append((start, stop - start, values[start:stop].to(dtype).clone()))
+        start = stop
+    return runs
+
+
+@pytest.mark.parametrize("name", sorted(CPU_SELECTORS))
+@pytest.mark.parametrize("case", ["random", "ties", "nonfinite", "zeros", "bf16", "no-residual"])
+@pytest.mark.parametrize("numel, cuts", [(100_003, []), (600_000, [1, 250_000, 333_333])])
+def test_accumulate_select_equals_sum_then_select(name, case, numel, cuts):
+    gen = torch.Generator().manual_seed(numel + len(case))
+    if case == "ties":
+        grad = torch.randint(-4, 5, (numel,), generator=gen).float()
+    elif case == "zeros":
+        grad = torch.zeros(numel)
+        grad[::997] = 1.0
+    else:
+        grad = torch.randn(numel, generator=gen)
+    if case == "nonfinite":
+        grad[numel // 2] = float("nan")
+        grad[numel - 1] = -float("inf")
+    residual = None if case == "no-residual" else torch.randn(numel, generator=gen) * 0.1
+    if case == "zeros":
+        residual = torch.zeros(numel)
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    runs = _runs_of(grad, cuts, dtype)
+    expected_out = torch.empty(numel)
+    for offset, length, g in runs:
+        target = expected_out[offset:offset + length]
+        if residual is None:
+            target.copy_(g)
+        else:
+            torch.add(g, residual[offset:offset + length], out=target)
+    for k in (1, 37, numel // 100):
+        ev, ei = TorchTopkSelector().select(expected_out, k)
+        out = torch.full((numel,), 7.0)
+        values, indices = CPU_SELECTORS[name]().accumulate_select(runs, residual, out, k)
+        assert torch.equal(out.view(torch.int32), expected_out.view(torch.int32))
+        assert torch.equal(indices, ei)
+        assert torch.equal(values.view(torch.int32), ev.view(torch.int32))
+        if case == "nonfinite":  # NaN first, then -inf: both when k >= 2
+            assert {numel // 2, numel - 1}.intersection(indices.tolist()) == (
+                {numel // 2} if k == 1 else {numel // 2, numel - 1})
+
+
+def test_accumulate_select_takes_the_fused_pass_on_the_cpu():
+    selector = SampledTopkSelector()
+    numel = 400_000
+    out = torch.empty(numel)
+    runs = [(0, numel, torch.randn(numel))]
+    selector.accumulate_select(runs, torch.randn(numel), out, 400)
+    stats = selector.stats()
+    assert stats["calls"] == stats["sampled_calls"] == 1 and stats["fallbacks"] == 0

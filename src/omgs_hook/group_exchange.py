@@ -171,18 +171,36 @@ class StepExchange:
                  else self._buffers[index][at:at + n])
                 for g_off, n, index, at, key in runs]
 
-    def _accumulate(self, keys, numel):
+    def _sources(self, keys):
+        """The group's buffers, each key's residual source (``CURRENT``, None or a
+        tensor) and the gradient segments."""
+        device = self.arrived[keys[0]][1].device
+        numels = [self.arrived[key][1].numel() for key in keys]
+        buffers = self.memory.group_buffers(keys, numels, device)
+        sources = [None if key in self.parked else self.memory.residual_source(buffers, i, key)
+                   for i, key in enumerate(keys)]
+        return buffers, sources, self._segments(keys)
+
+    def _fusable(self, buffers, sources):
+        """For the steady state - the residual is the group's own ``current`` buffer (or
+        zero everywhere), no clipping, no health measurement this step - the residual
+        tensor (or None) the selector may add in its own pass; else False."""
+        if self.clip_per_sqrt_element is not None or self.measure_health:
+            return False
+        if all(src is CURRENT for src in sources):
+            return buffers.current
+        if all(src is None for src in sources):
+            return None
+        return False
+
+    def _accumulate(self, keys, numel, prepared=None):
         """``spare = gradient + residual`` in the group's persistent buffer (fp32), one op
         per contiguous run where the residual is the group's own (the gradient first
         scaled by the local clipping factor, when clipping is on); returns the buffers
         and the gradient segments."""
-        device = self.arrived[keys[0]][1].device
-        numels = [self.arrived[key][1].numel() for key in keys]
-        buffers = self.memory.group_buffers(keys, numels, device)
+        buffers, sources, segments = prepared or self._sources(keys)
         spare, current = buffers.spare, buffers.current
-        sources = [None if key in self.parked else self.memory.residual_source(buffers, i, key)
-                   for i, key in enumerate(keys)]
-        segments = self._segments(keys)
+        numels = buffers.numels
         factor, grad_sq = self._clip_factor(segments, numel)
 
         def put(out, grad, residual):
@@ -261,18 +279,26 @@ class StepExchange:
             )
         group = len(self.records)
         started = time.perf_counter()
-        with _range("assemble", group):
-            buffers, segments = self._accumulate(keys, numel)
-        acc = buffers.spare
         k = selected_k(numel, self.density)  # the planner's own k, bit for bit
-        selecting = time.perf_counter()
+        prepared = self._sources(keys)
+        buffers, _, segments = prepared
+        acc = buffers.spare
+        residual = self._fusable(buffers, prepared[1])
         # Every selector ranks NaN above all numbers and inf above every finite value, so
         # a non-finite entry of acc is always among the selected ones: checking the k
         # values is the non-finite check (no pass over acc, no host sync). The flag
         # travels in the payload; every rank then treats the step as non-finite and the
         # staged residual (acc) is discarded, so acc may be modified regardless.
-        with _range("select", group):
-            values, indices = self.selector.select(acc, k)
+        if residual is False:
+            with _range("assemble", group):
+                self._accumulate(keys, numel, prepared)
+            selecting = time.perf_counter()
+            with _range("select", group):
+                values, indices = self.selector.select(acc, k)
+        else:  # the selector adds gradient and residual in its own pass (fused on CPU)
+            selecting = started
+            with _range("assemble_select", group):
+                values, indices = self.selector.accumulate_select(segments, residual, acc, k)
         selected = time.perf_counter()
         with _range("pack", group):
             status = torch.logical_not(torch.isfinite(values)).any()

@@ -177,6 +177,17 @@ class TopkSelector:
     def _select(self, x, k):
         raise NotImplementedError(f"{type(self).__name__} must implement _select")
 
+    def accumulate_select(self, runs, residual, out, k):
+        """``out = gradient + residual``, then ``select(out, k)``.
+
+        ``runs``: ``[(offset, length, gradient slice)]`` covering ``out`` (a 1-D float32
+        tensor); ``residual``: a tensor like ``out`` or None (zero). The result is exactly
+        ``select(out, k)`` after the sums; a backend may fuse the two passes (the
+        ``sampled`` CPU selector does), which only changes the speed.
+        """
+        _accumulate_into(runs, residual, out)
+        return self.select(out, k)
+
     def stats(self):
         """Counters for logging (empty for backends that keep none)."""
         return {}
@@ -353,23 +364,89 @@ class SampledTopkSelector(TopkSelector):
         indices = self._select_sampled(magnitudes, k)
         return x[indices], indices
 
-    def _thresholds(self, magnitudes, k):
-        """Two threshold guesses (first, then lower for the retry) from a sample."""
-        numel = magnitudes.numel()
+    def _sample_at(self, numel, k, device):
+        """This call's sample positions: cached per D, rotated by a golden-ratio step per
+        call - deterministic, but each call sees a different subset, so a persistently
+        unlucky sample cannot recur every step."""
         size = self.sample_size(numel, k)
-        positions = self._sample_positions(numel, size, magnitudes.device)
-        # Rotate by a golden-ratio step per call: deterministic, but each call sees a
-        # different subset, so a persistently unlucky sample cannot recur every step.
+        positions = self._sample_positions(numel, size, device)
         with self._lock:
             calls = self._counts["calls"]
         offset = (calls * 0x9E3779B97F4A7C15) % numel
-        sample = magnitudes[(positions + offset) % numel]
+        return (positions + offset) % numel
+
+    def _thresholds(self, magnitudes, k):
+        """Two threshold guesses (first, then lower for the retry) from a sample."""
+        numel = magnitudes.numel()
+        sample = magnitudes[self._sample_at(numel, k, magnitudes.device)]
+        return self._ranked_thresholds(sample, numel, k)
+
+    def _ranked_thresholds(self, sample, numel, k):
+        """The sample's magnitudes at the two threshold ranks (see the class docstring)."""
+        size = sample.numel()
         expected_hits = size * k / numel
         rank = int(math.ceil(expected_hits + self.margin_sigmas * math.sqrt(expected_hits))) + 1
         rank = min(rank, size)
         retry_rank = min(self.retry_factor * rank, size)
         ranked = torch.topk(sample, retry_rank, sorted=True).values
         return ranked[rank - 1], ranked[retry_rank - 1]
+
+    def accumulate_select(self, runs, residual, out, k):
+        """``out = gradient + residual`` and the exact top-k of ``out``, in one pass.
+
+        On the CPU for float32, where the sampled path applies: the threshold comes from
+        the sample positions' values of ``gradient + residual`` (read before the pass),
+        then one pass in cache-sized chunks writes each chunk of ``out``, its magnitudes
+        into a small reused buffer and the candidate mask - so ``|out|`` never goes
+        through memory as a whole. The rest is the sampled path: at least k candidates
+        make the exact rule on the candidates exact; fewer (or a threshold of 0, or
+        NaN/inf in the sample) fall back to the plain path on the finished ``out``.
+        """
+        numel = out.numel()
+        k = check_selection_args(out, k)
+        if (out.device.type != "cpu" or out.dtype != torch.float32 or k == numel
+                or numel < self.min_numel or k > self.max_density * numel):
+            return super().accumulate_select(runs, residual, out, k)
+        positions = self._sample_at(numel, k, out.device)
+        first, _ = self._ranked_thresholds(_sum_at(runs, residual, positions).abs_(), numel, k)
+        if not bool(first > 0) or not bool(torch.isfinite(first)):
+            return super().accumulate_select(runs, residual, out, k)
+        self._count(calls=1, sampled_calls=1)
+        signed, unsigned = _BIT_VIEWS[4]
+        threshold_bits = first.reshape(1).view(signed).numpy().view(unsigned)[0]
+        mask = self._scratch(numel, torch.bool).numpy()
+        chunk = self._chunk_scratch(out.dtype)
+        with torch.no_grad():
+            for offset, length, grad in runs:
+                for start in range(0, length, FUSED_CHUNK):
+                    stop = min(length, start + FUSED_CHUNK)
+                    target = out[offset + start:offset + stop]
+                    source = grad[start:stop]
+                    if residual is None:
+                        target.copy_(source)
+                    else:
+                        torch.add(source, residual[offset + start:offset + stop], out=target)
+                    magnitudes = chunk[:stop - start]
+                    torch.abs(target, out=magnitudes)
+                    np.greater_equal(magnitudes.view(signed).numpy().view(unsigned),
+                                     threshold_bits, out=mask[offset + start:offset + stop])
+            candidates = torch.from_numpy(np.flatnonzero(mask))
+            if candidates.numel() >= k:
+                self._count(candidates=candidates.numel())
+                indices = candidates[exact_topk_positions(out[candidates].abs(), k)]
+                return out[indices], indices
+            self._count(retries=1)
+            indices = self._select_sampled(self._magnitudes(out), k)
+            return out[indices], indices
+
+    def _chunk_scratch(self, dtype):
+        """A per-thread buffer of FUSED_CHUNK elements (stays in cache between uses)."""
+        buffers = getattr(self._scratch_local, "chunks", None)
+        if buffers is None:
+            buffers = self._scratch_local.chunks = {}
+        if dtype not in buffers:
+            buffers[dtype] = torch.empty(FUSED_CHUNK, dtype=dtype)
+        return buffers[dtype]
 
     def _select_sampled(self, magnitudes, k):
         first, retry = self._thresholds(magnitudes, k)
@@ -390,6 +467,32 @@ class SampledTopkSelector(TopkSelector):
                 return _ascending(torch.cat((candidates, zeros)), magnitudes.numel())
         self._count(fallbacks=1)
         return exact_topk_positions(magnitudes, k)
+
+
+# elements per chunk of the fused accumulate-and-select pass: 1 MiB of float32, so a
+# chunk's magnitudes are read back from cache, not from memory
+FUSED_CHUNK = 1 << 18
+
+
+def _accumulate_into(runs, residual, out):
+    """``out[run] = gradient run + residual[run]`` (a copy where residual is None)."""
+    for offset, length, grad in runs:
+        target = out[offset:offset + length]
+        if residual is None:
+            target.copy_(grad)
+        else:
+            torch.add(grad, residual[offset:offset + length], out=target)
+
+
+def _sum_at(runs, residual, positions):
+    """``gradient + residual`` at ``positions`` of the group (float32), from the runs."""
+    values = torch.empty(positions.numel(), dtype=torch.float32)
+    for offset, length, grad in runs:
+        inside = (positions >= offset) & (positions < offset + length)
+        values[inside] = grad[positions[inside] - offset].to(torch.float32)
+    if residual is not None:
+        values += residual[positions]
+    return values
 
 
 def _normalise_device(device):
