@@ -760,6 +760,8 @@ def train(args, rank, world_size, device):
                   f"{'' if plan_history.from_hook else ', as seen by train.py'}):", flush=True)
             for entry in plan_history.entries:
                 print("  " + describe_plan_entry(entry), flush=True)
+        if hook is not None and hasattr(hook, "summary"):
+            print(hook.summary(), flush=True)  # the plan in words: groups, why dense, bytes
     return summary
 
 

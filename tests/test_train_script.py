@@ -391,6 +391,9 @@ def test_omgs_trains_sparsely_and_resumes_its_state(tmp_path):
                           "--log-file", str(log)]
     output = launch_ok(common + ["--steps", "5"])
     assert "plan history (" in output and "  step " in output
+    # the end-of-run summary: the plan in words, the density, the bytes against dense
+    assert "omgs_hook after 5 steps: plan" in output
+    assert "achieved density after the warm-up" in output and "bytes sent per step" in output
     saved = torch.load(f"{checkpoint}.rank1", weights_only=True)["hook_state"]
     assert saved["step"] == 5 and saved["residuals"]
     launch_ok(common + ["--steps", "8", "--resume"])
