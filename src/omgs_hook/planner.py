@@ -518,15 +518,22 @@ def _comm_end(inst: Instance, prefix_sums, bounds, modes) -> Tuple[float, Tuple[
     return network, tuple(use_dense.tolist())
 
 
-def _prefix_sums(inst: Instance):
-    """(numel prefix sums as float64, backward prefix sums), index 0 = empty prefix."""
+def _unit_arrays(inst: Instance):
+    """(numel, backward, numel prefix sums, backward prefix sums) as float64 arrays,
+    prefix index 0 = the empty prefix. Element counts are exact in float64 below 2**53,
+    which is checked."""
     L = inst.num_units
     numel = np.fromiter((u.numel for u in inst.layers), dtype=np.float64, count=L)
     backward = np.fromiter((u.backward_s for u in inst.layers), dtype=np.float64, count=L)
-    return (
-        np.concatenate(([0.0], np.cumsum(numel))),
-        np.concatenate(([0.0], np.cumsum(backward))),
-    )
+    numel_prefix = np.concatenate(([0.0], np.cumsum(numel)))
+    if numel_prefix[-1] >= 2.0**53:
+        raise InstanceError("layers", "the total numel must be below 2**53")
+    return numel, backward, numel_prefix, np.concatenate(([0.0], np.cumsum(backward)))
+
+
+def _prefix_sums(inst: Instance):
+    """(numel prefix sums as float64, backward prefix sums), index 0 = empty prefix."""
+    return _unit_arrays(inst)[2:]
 
 
 def _time_scale(inst: Instance) -> float:
@@ -629,13 +636,7 @@ class _FrontierSearch:
         self.beam = beam
         self.budget = budget
         L = inst.num_units
-        numel = np.fromiter((u.numel for u in inst.layers), dtype=np.float64, count=L)
-        backward = np.fromiter((u.backward_s for u in inst.layers), dtype=np.float64, count=L)
-        # prefix sums; element counts are exact in float64 below 2**53
-        self.numel_prefix = np.concatenate(([0.0], np.cumsum(numel)))
-        if self.numel_prefix[-1] >= 2.0**53:
-            raise InstanceError("layers", "the total numel must be below 2**53")
-        self.backward_prefix = np.concatenate(([0.0], np.cumsum(backward)))
+        numel, backward, self.numel_prefix, self.backward_prefix = _unit_arrays(inst)
         self.tie = _RELATIVE_TIE * _time_scale(inst)
         self.upper_bound = float(upper_bound)
         if boundaries is None:
@@ -1024,12 +1025,7 @@ class _SuffixSearch:
         self.upper_bound = float(upper_bound)
         self.budget = budget
         L = inst.num_units
-        numel = np.fromiter((u.numel for u in inst.layers), dtype=np.float64, count=L)
-        backward = np.fromiter((u.backward_s for u in inst.layers), dtype=np.float64, count=L)
-        self.numel_prefix = np.concatenate(([0.0], np.cumsum(numel)))
-        if self.numel_prefix[-1] >= 2.0**53:
-            raise InstanceError("layers", "the total numel must be below 2**53")
-        self.backward_prefix = np.concatenate(([0.0], np.cumsum(backward)))
+        numel, backward, self.numel_prefix, self.backward_prefix = _unit_arrays(inst)
         self.tie = _RELATIVE_TIE * _time_scale(inst)
         self.min_numel = float(numel.min())
         self.outcome = None
