@@ -25,7 +25,7 @@ The omgs_hook variants share the same DDP buckets (``--sparse-bucket-cap-mb``, 0
 parameter tensor per bucket, the units the original OMGS/LAGS code works with), the
 same density, top-k backend and error feedback; they differ only in how buckets are
 merged into groups. The fixed variants (topk, lags, greedy, omgs, omgs_dense) plan with
-the cost model (``select="model"`` where the library has that option): they are the
+the cost model (``select="model"``): they are the
 candidates the default chooses among. Every group of topk/lags/greedy/omgs is sparse, as
 the algorithms are published; with ``--allow-dense`` they too may send groups dense
 (result files then end in ``_dense``). The default variant runs untimed steps until its
@@ -335,15 +335,6 @@ class Variant:
         self.times = []
 
 
-def hook_supports(option):
-    """Whether the installed ``omgs_hook.OMGSState`` takes the keyword ``option``."""
-    import inspect
-
-    from omgs_hook.hook import OMGSState
-
-    return option in inspect.signature(OMGSState.__init__).parameters
-
-
 def library_defaults():
     """The default option values of the installed ``OMGSState`` (recorded per result)."""
     import inspect
@@ -437,11 +428,9 @@ def make_variants(config, initial_state, profile_path):
                 warm_start=True, random_seed=config["seed"])
             net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         elif name in SPARSE_STRATEGIES:
-            options = {}
-            if hook_supports("select"):
-                # a fixed strategy chosen by the cost model: these variants are the plans
-                # the default's measured selection chooses among
-                options["select"] = "model"
+            # a fixed strategy chosen by the cost model: these variants are the plans the
+            # default's measured selection chooses among
+            options = {"select": "model"}
             state = omgs_hook.register(
                 net, density=config["density"], strategy=SPARSE_STRATEGIES[name],
                 warmup_steps=config["warmup_steps"], replan_every=config["replan_every"],

@@ -217,9 +217,6 @@ def _validate(parser, args):
             continue
         if args.hook not in HOOK_STRATEGIES:
             parser.error(f"--{option} only applies to the omgs hooks (topk, lags, omgs)")
-        if not hook_supports(option):
-            parser.error(f"--{option}: the installed omgs_hook has no {option!r} option "
-                         f"(OMGSState does not accept it); update the library")
     if args.plan is not None and not os.path.isfile(args.plan):
         parser.error(f"--plan: no such file: {args.plan}")
     if args.strategy is not None and args.hook != "omgs":
@@ -371,19 +368,6 @@ def bucket_cap_for(args, model):
         model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         return max(args.bucket_cap_mb, math.ceil(model_mib) + 1.0)
     return args.bucket_cap_mb
-
-
-def hook_supports(option):
-    """Whether the installed ``omgs_hook.OMGSState`` accepts the keyword ``option``.
-
-    Lets this script pass newer options (``select``, ``plan``) only to a library that
-    has them, so it keeps working with older and newer versions alike.
-    """
-    from omgs_hook.hook import OMGSState
-
-    parameters = inspect.signature(OMGSState.__init__).parameters
-    return option in parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def hook_options(args):
