@@ -142,6 +142,13 @@ def parse_args(argv=None):
         help="omgs hooks: pin this plan (saved from a previous run's plan history or "
              "written by omgs-plan) instead of planning; needs an omgs_hook with the plan "
              "option")
+    add("--local-clip-norm", type=float, default=None,
+        help="omgs hooks: DGC's local gradient clipping - clip each rank's gradient of a "
+             "group before it joins the residual, to this norm scaled by "
+             "sqrt(group share) / sqrt(world size) (default: off)")
+    add("--track-staleness", action="store_true",
+        help="omgs hooks: count per element the steps since it was last sent "
+             "(stats()['staleness'])")
     add("--refit-online", action="store_true",
         help="omgs hooks: refit the communication model from measured collectives")
     add("--hook-log-every", type=int, default=100, help="omgs hooks: steps between log lines")
@@ -209,6 +216,12 @@ def _validate(parser, args):
         parser.error(f"--clip-grad-norm: must be >= 0, got {args.clip_grad_norm}")
     if args.clip_grad_norm == 0:
         args.clip_grad_norm = None
+    if args.local_clip_norm is not None and args.local_clip_norm <= 0:
+        parser.error(f"--local-clip-norm: must be positive, got {args.local_clip_norm}")
+    if (args.local_clip_norm is not None or args.track_staleness) \
+            and args.hook not in HOOK_STRATEGIES:
+        parser.error("--local-clip-norm and --track-staleness only apply to the omgs hooks "
+                     "(topk, lags, omgs)")
     if args.hook == "powersgd" and args.warmup_steps < 2:
         parser.error("--warmup-steps: powersgd needs at least 2 dense steps (DDP rebuilds "
                      "its buckets after the first iteration)")
@@ -388,6 +401,10 @@ def hook_options(args):
         options["select"] = args.select
     if args.plan is not None:
         options["plan"] = args.plan
+    if args.local_clip_norm is not None:
+        options["local_clip_norm"] = args.local_clip_norm
+    if args.track_staleness:
+        options["track_staleness"] = True
     return options
 
 

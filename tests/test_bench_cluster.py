@@ -227,10 +227,12 @@ def test_profile_sweep_spans_the_largest_sparse_message():
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("allreduce", ("allreduce", "allreduce", None, 0)),
-    ("omgs:0.001", ("omgs:0.001", "omgs", 0.001, 0)),
-    (" lags:0.0100 ", ("lags:0.01", "lags", 0.01, 0)),
-    ("omgs:0.001@88", ("omgs:0.001@88", "omgs", 0.001, 88)),
+    ("allreduce", ("allreduce", "allreduce", None, 0, False)),
+    ("omgs:0.001", ("omgs:0.001", "omgs", 0.001, 0, False)),
+    (" lags:0.0100 ", ("lags:0.01", "lags", 0.01, 0, False)),
+    ("omgs:0.001@88", ("omgs:0.001@88", "omgs", 0.001, 88, False)),
+    ("omgs:0.001+clip", ("omgs:0.001+clip", "omgs", 0.001, 0, True)),
+    ("omgs:0.001@106+clip", ("omgs:0.001@106+clip", "omgs", 0.001, 106, True)),
 ])
 def test_parse_config(text, expected):
     assert convergence.parse_config(text) == expected
@@ -240,6 +242,7 @@ def test_parse_config(text, expected):
     ("omgs", "needs a density"), ("omgs:2", "must be in"), ("dgc:0.1", "unknown hook"),
     ("allreduce:0.1", "takes no density"), ("allreduce@5", "takes no density"),
     ("omgs:0.001@0", "positive number of steps"), ("omgs:0.001@x", "positive number of steps"),
+    ("omgs:0.001+dgc", "only suffix"), ("allreduce+clip", "takes no"),
 ])
 def test_parse_config_rejects(text, message):
     with pytest.raises(ValueError, match=message):

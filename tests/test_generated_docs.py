@@ -27,3 +27,14 @@ def test_a_file_without_markers_is_refused_and_left_alone(tmp_path):
     doc.write_text(begin_marker("scripts/y.py") + "\n" + END_MARKER + "\n")
     with pytest.raises(SystemExit, match="markers"):
         write_generated_section(str(doc), "table\n", "scripts/x.py", "Results")
+
+
+def test_two_sections_of_one_document_are_rewritten_independently(tmp_path):
+    doc = tmp_path / "results.md"
+    doc.write_text(f"# R\n{begin_marker('scripts/x.py')}\nold x\n{END_MARKER}\nmiddle\n"
+                   f"{begin_marker('scripts/x.py --model y')}\nold y\n{END_MARKER}\nend\n")
+    write_generated_section(str(doc), "new y\n", "scripts/x.py --model y", "R")
+    write_generated_section(str(doc), "new x\n", "scripts/x.py", "R")
+    text = doc.read_text()
+    assert text == (f"# R\n{begin_marker('scripts/x.py')}\nnew x\n{END_MARKER}\nmiddle\n"
+                    f"{begin_marker('scripts/x.py --model y')}\nnew y\n{END_MARKER}\nend\n")
