@@ -97,8 +97,9 @@ def bpc_target_pct(density):
 def parse_config(text):
     """``"allreduce"`` or ``"HOOK:DENSITY[@W][+clip]"`` -> (normalised name, hook, density or
     None, density warm-up steps, local clipping). ``@W`` runs the hook with
-    ``--density-warmup-steps W``; ``+clip`` adds DGC's local gradient clipping
-    (``--local-clip-norm`` at the run's ``--clip-grad-norm``)."""
+    ``--density-warmup-steps W``; ``+clip`` is DGC's local gradient clipping
+    (``--local-clip-norm`` at the run's ``--clip-grad-norm``, which it replaces: the
+    averaged update is then not clipped again)."""
     text = text.strip()
     text, plus, suffix = text.partition("+")
     if plus and suffix.strip() != "clip":
@@ -272,7 +273,12 @@ def train_command(hook, density, seed, epochs, log_path, args, density_warmup=0,
     if hook in COMPRESSING_HOOKS and args.model in TEXT_MODELS:
         # ages of unsent entries for the error-feedback health report (no change of math)
         command += ["--track-staleness"]
-    return command + list(args.train_args)
+    command += list(args.train_args)
+    if local_clip:
+        # DGC clips locally *instead of* after the aggregation: clipping the averaged
+        # sparse update would throw away gradient mass error feedback has released
+        command += ["--clip-grad-norm", "0"]
+    return command
 
 
 def read_log(path):

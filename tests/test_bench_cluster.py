@@ -352,3 +352,49 @@ def test_convergence_rejects_a_missing_profile(tmp_path, capsys):
     with pytest.raises(SystemExit):
         convergence.parse_args(["--profile", str(tmp_path / "nope.json")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_convergence_lstm_defaults_and_the_local_clip_replaces_the_global_one():
+    args = convergence.parse_args(["--model", "lstm"])
+    assert [c[0] for c in args.configs] == list(convergence.LSTM_CONFIGS)
+    assert args.epochs == convergence.LSTM_EPOCHS and args.profile is None
+    assert args.results.endswith("convergence_lstm.json")
+    assert "--no-allow-dense" in args.train_args
+    clip = convergence.train_command("omgs", 0.001, 0, 8, "log", args, local_clip=True)
+    assert clip[clip.index("--local-clip-norm") + 1] == "1.0"
+    # the last --clip-grad-norm wins in train.py: the averaged update is not clipped again
+    assert clip[-2:] == ["--clip-grad-norm", "0"] and "--track-staleness" in clip
+    plain = convergence.train_command("omgs", 0.001, 0, 8, "log", args)
+    assert "--local-clip-norm" not in plain and "--clip-grad-norm" not in plain
+    dense = convergence.train_command("allreduce", None, 0, 8, "log", args)
+    assert "--track-staleness" not in dense
+    # a +clip run of a model without a default threshold needs one
+    with pytest.raises(SystemExit):
+        convergence.parse_args(["--configs", "omgs:0.01+clip", "--profile", "default"])
+
+
+def test_convergence_bits_per_character_summary_and_targets():
+    import math
+
+    def run(config, seed, bits, density):
+        loss = bits * math.log(2)
+        return {"config": config, "seed": seed, "epochs": 2, "density": density,
+                "model": "lstm", "nproc": 2, "train_args": [], "final_test_loss": loss, "bytes_sent_per_step": 10.0, "median_iter_s": 0.1,
+                "step_loss": [loss] * 4, "step_epoch": [0, 0, 1, 1],
+                "evaluations": [{"epoch": 0, "step": 2, "test_loss": loss, "test_accuracy": 0.5},
+                                {"epoch": 1, "step": 4, "test_loss": loss, "test_accuracy": 0.5}],
+                "error_feedback": {"residual_to_gradient": 2.0},
+                "staleness": {"step": 4, "max": 3, "mean": 1.5}}
+    runs = [run("allreduce", 0, 2.0, None), run("allreduce", 1, 2.2, None),
+            run("omgs:0.001", 0, 2.05, 0.001), run("omgs:0.001", 1, 2.25, 0.001),
+            run("omgs:0.01", 0, 2.05, 0.01), run("omgs:0.01", 1, 2.25, 0.01)]
+    rows = {r["config"]: r for r in convergence.summarise_text(runs, 2)}
+    sparse = rows["omgs:0.001"]
+    assert sparse["gap_pct"] == pytest.approx(100 * (2.15 / 2.1 - 1))
+    assert sparse["paired_gaps_pct"] == pytest.approx([2.5, 100 * (2.25 / 2.2 - 1)])
+    assert sparse["target_pct"] == 3.0 and convergence.text_target_met(sparse)
+    assert rows["omgs:0.01"]["target_pct"] == 1.0 and not convergence.text_target_met(rows["omgs:0.01"])
+    assert convergence.text_curves(runs[0])["eval_epoch"] == [1.0, 2.0]
+    text = convergence.render_text({"runs": runs}, "p.png")
+    assert "### LSTM, 2 epochs (4 steps)" in text and "within 3%: met" in text
+    assert "within 1%: **missed**" in text and "| 2 | 2.1000 |" in text
