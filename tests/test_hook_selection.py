@@ -104,11 +104,11 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
     assert winner != "optimal"
     for entry, expected in zip(report["candidates"], slowest):
         assert entry["measured_s"] == pytest.approx(expected, rel=1e-6), entry
-        assert entry["samples"] >= 3 and entry["predicted_s"] > 0
+        assert entry["samples"] >= 2 and entry["predicted_s"] > 0
     history = stats[0]["plan_history"]
     trial_entries = [h for h in history if h["reason"] == "trial"]
     assert [h["strategy"] for h in trial_entries][:len(names)] == names
-    assert [h["step"] for h in trial_entries][:len(names)] == [4 + 4 * i for i in range(len(names))]
+    assert [h["step"] for h in trial_entries][:len(names)] == [4 + 3 * i for i in range(len(names))]
     assert history[-1]["reason"] == "trial winner" and history[-1]["strategy"] == winner
     assert stats[0]["total"]["trials"] == 1 and stats[0]["total"]["replans"] == 1
     assert stats[0]["step_s"] is not None

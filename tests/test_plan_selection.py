@@ -10,8 +10,9 @@ import pytest
 from omgs_hook import planner
 from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit
 from omgs_hook.plan_selection import (
-    MAX_CANDIDATES, MEASURE_STEPS, SETTLE_STEPS, Candidate, Correction, Trial, dedupe,
-    fit_correction, model_candidates, neighbour_plans, plan_features, summary_of,
+    CONFIRM_STEPS, MAX_CANDIDATES, MAX_CONFIRM, MAX_REMEASURE, MEASURE_STEPS, SETTLE_STEPS,
+    Candidate, Correction, Trial, dedupe, fit_correction, model_candidates, neighbour_plans,
+    plan_features, summary_of, trial_steps_bound,
 )
 
 
@@ -146,8 +147,22 @@ def test_schedule_settles_then_measures_each_candidate_in_order():
 
 def test_trial_budget_bound():
     trial = Trial([cand(str(i), [[0]] * 1, [bool(i % 2)]) for i in range(MAX_CANDIDATES)], 0)
-    assert trial.max_steps() == (MAX_CANDIDATES + 2) * (SETTLE_STEPS + MEASURE_STEPS)
-    assert trial.max_steps() <= 36  # the documented bound: under 4% of a 1000-step run
+    assert trial.max_steps() == (MAX_CANDIDATES * (SETTLE_STEPS + MEASURE_STEPS)
+                                 + (MAX_CONFIRM + MAX_REMEASURE) * (SETTLE_STEPS + CONFIRM_STEPS))
+    assert trial.max_steps() == 41  # the documented bound: 4.1% of a 1000-step run
+    assert trial_steps_bound(1) == SETTLE_STEPS + MEASURE_STEPS  # one candidate: no more rounds
+    # the bound holds for every path through the rounds
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(1, MAX_CANDIDATES)
+        trial = Trial([cand(str(i), [[0]] * (i + 1)) for i in range(n)], 0)
+        step, ran = 0, 0
+        while not trial.done:
+            times = [[rng.choice([1.0, 1.01, 1.1, 1.5]) for _ in range(n)]]
+            step, rows = run_round(trial, times, first_step=step)
+            ran = step
+            trial.finish_round(rows, step)
+        assert ran <= trial.max_steps() == trial_steps_bound(n)
 
 
 def test_bad_trial_arguments():
@@ -155,7 +170,11 @@ def test_bad_trial_arguments():
         Trial([], 0)
     with pytest.raises(ValueError):
         Trial([cand("a", [[0]])], 0, measure=0)
-    trial = Trial([cand("a", [[0]]), cand("b", [[0, 1]])], 0)
+    with pytest.raises(ValueError, match="confirm"):
+        Trial([cand("a", [[0]])], 0, confirm=0)
+    with pytest.raises(ValueError, match="windows"):
+        Trial([cand("a", [[0]])], 0, confirm_window=-0.1)
+    trial = Trial([cand("a", [[0]]), cand("b", [[0, 1]])], 0, measure=3)
     with pytest.raises(ValueError, match="rows of 6"):
         trial.finish_round([[1.0] * 5], 8)
 
@@ -165,16 +184,37 @@ def three():
     return [cand("model", [[0, 1]]), cand("sparse", [[0], [1]]), cand("dense", [[0], [1]], [True, True])]
 
 
+def decide(trial, step_times, first_step=None):
+    """Run rounds with the same per-candidate times until the trial decides."""
+    step = first_step
+    while True:
+        step, rows = run_round(trial, step_times, first_step=step)
+        winner = trial.finish_round(rows, step)
+        if winner is not None:
+            return winner, step
+
+
 def test_the_slowest_rank_decides_and_the_model_choice_can_lose():
     # rank 0 alone would keep the model's choice; rank 1 is slow under it, so the step
     # (which waits for rank 1) is slow, and "sparse" wins
     trial = Trial(three(), 0)
     step, rows = run_round(trial, [[1.0, 1.2, 1.5], [2.0, 1.3, 1.6]])
-    assert trial.finish_round(rows, step) == 1 and trial.done
+    # screen: sparse 1.3 is best, dense 1.6 within 30% and the model's 2.0 is not
+    assert trial.finish_round(rows, step) is None and trial.rounds[-1] == [2, 1]
+    winner, _ = decide(trial, [[1.0, 1.2, 1.5], [2.0, 1.3, 1.6]], first_step=step)
+    assert winner == 1 and trial.done
     assert trial.measured_s(0) == 2.0 and trial.measured_s(1) == 1.3
     report = trial.report()
     assert report["winner"] == "sparse" and [c["winner"] for c in report["candidates"]] == [False, True, False]
+    assert report["confirmed"] == ["dense", "sparse"] and report["remeasured"] == []
     assert "*sparse" in summary_of(report) and trial.candidate_at(step) is None
+
+
+def test_a_clear_winner_of_the_screen_needs_no_more_rounds():
+    trial = Trial(three(), 0)
+    step, rows = run_round(trial, [[1.0, 2.0, 3.0]])
+    assert trial.finish_round(rows, step) == 0 and len(trial.rounds) == 1
+    assert step == 3 * (SETTLE_STEPS + MEASURE_STEPS)
 
 
 def test_same_rows_same_decision_whatever_each_rank_clock_reads():
@@ -192,42 +232,90 @@ def test_same_rows_same_decision_whatever_each_rank_clock_reads():
         decisions = []
         for order in itertools.islice(itertools.permutations(range(ranks)), 3):
             trial = Trial(cands, 7)
-            step, rows = run_round(trial, [times[r] for r in order])
-            winner = trial.finish_round(rows, step)
-            while winner is None:
-                step2, rows2 = run_round(trial, [times[r] for r in order])
-                winner = trial.finish_round(rows2, step2)
+            winner, _ = decide(trial, [times[r] for r in order])
             decisions.append((winner, trial.report()))
         assert all(d == decisions[0] for d in decisions)
         slowest = [max(times[r][i] for r in range(ranks)) for i in range(n)]
         assert decisions[0][0] == min(range(n), key=lambda i: (slowest[i], i))
 
 
-def test_near_ties_are_measured_once_more_and_decided_on_both_rounds():
+def drifting_round(trial, step, base, drift):
+    """One round in which candidate i takes base[i] * (1 + drift * step): the machine
+    slows down (or speeds up) linearly while the trial runs."""
+    rows = [[]]
+    start = step
+    while not trial.round_complete(step):
+        index = trial.candidate_at(step)
+        trial.record(step, base[index] * (1.0 + drift * step))
+        step += 1
+    assert start < step
+    return step, [trial.local_row()]
+
+
+def test_reversed_rounds_cancel_a_drift_that_would_favour_the_last_candidate():
+    """The model's choice is 3% faster than two equal plans, measured while the machine
+    gets quicker or slower by 0.5% per step: the screen alone ranks by position (the
+    last one looks fastest when the machine speeds up); the confirm round runs in
+    reverse and the rounds are averaged, which picks the truly fastest."""
+    base = [0.97, 1.0, 1.0]
+    for drift in (-0.005, 0.005):
+        trial = Trial(three(), 0)
+        step = 0
+        while not trial.done:
+            step, rows = drifting_round(trial, step, base, drift)
+            trial.finish_round(rows, step)
+        assert trial.winner == 0, (drift, trial.report())
+    # a one-round trial (no confirm) is fooled by the same drift
+    fooled = Trial(three(), 0, confirm_window=0.0)
+    step, rows = drifting_round(fooled, 0, base, -0.005)
+    assert fooled.finish_round(rows, step) == 2
+
+
+def test_near_ties_are_broken_by_a_third_round_sized_by_the_noise():
     trial = Trial(three(), 0, near_tie=0.02, max_remeasure=2)
-    step, rows = run_round(trial, [[1.00, 1.015, 1.019]])  # all within 2% of the best
-    assert trial.finish_round(rows, step) is None and not trial.done
-    assert trial.rounds[1] == [0, 1]  # the best two, in index order
-    assert trial.round_start == step and trial.candidate_at(step) == 0
-    assert trial.candidate_at(step + 4) == 1 and trial.round_end == step + 8
-    # the second round reverses the order: over both rounds "sparse" is faster
-    step2, rows2 = run_round(trial, [[1.05, 1.0, 9.9]])
-    assert trial.finish_round(rows2, step2) == 1
-    assert trial.measured_s(1) == statistics.median([1.015] * 3 + [1.0] * 3)
+    step, rows = run_round(trial, [[1.00, 1.015, 1.019]])  # all within 30% of the best
+    assert trial.finish_round(rows, step) is None and trial.rounds[1] == [2, 1, 0]
+    assert trial.round_start == step and trial.candidate_at(step) == 2
+    per = SETTLE_STEPS + CONFIRM_STEPS
+    assert trial.candidate_at(step + per) == 1 and trial.round_end == step + 3 * per
+    # confirm: "sparse" now best, "model" within 2%: the tie-break round runs both
+    step, rows = run_round(trial, [[1.02, 1.0, 1.3]])
+    assert trial.finish_round(rows, step) is None
+    assert trial.rounds[2] == [0, 1] and trial.round_kinds == ["screen", "confirm", "tiebreak"]
+    step, rows = run_round(trial, [[1.05, 1.0]])
+    assert trial.finish_round(rows, step) == 1
+    assert trial.measured_s(1) == pytest.approx((1.015 * 1.0 * 1.0) ** (1 / 3))
     assert trial.report()["remeasured"] == ["model", "sparse"]
 
 
-def test_exact_ties_go_to_the_model_choice_and_no_second_re_measure():
-    trial = Trial(three(), 0)
-    step, rows = run_round(trial, [[1.0, 1.0, 3.0]])
-    assert trial.finish_round(rows, step) is None
+def test_noisy_samples_widen_the_tie():
+    # confirm: medians 1.00 and 1.06 (6% apart, beyond NEAR_TIE); the samples scatter by
+    # about 10%, so the difference is not resolved and the tie-break runs
+    trial = Trial(three()[:2], 0, measure=1, confirm=3)
     step, rows = run_round(trial, [[1.0, 1.0]])
-    assert trial.finish_round(rows, step) == 0  # a tie again: decided, the lower index
+    assert trial.finish_round(rows, step) is None
+    rows = [[1.1, 1.06, 0.96, 0.9, 1.0, 1.1]]  # candidate 1 first (reverse order)
+    step = trial.round_end
+    assert trial.finish_round(rows, step) is None and trial.noise > 0.04
+    assert trial.round_kinds[-1] == "tiebreak"
+    # the same medians with quiet samples: decided at once
+    quiet = Trial(three()[:2], 0, measure=1, confirm=3)
+    step, rows = run_round(quiet, [[1.0, 1.0]])
+    quiet.finish_round(rows, step)
+    assert quiet.finish_round([[1.06, 1.06, 1.06, 1.0, 1.0, 1.0]], quiet.round_end) == 0
+    assert quiet.noise == 0.0
+
+
+def test_exact_ties_go_to_the_model_choice():
+    trial = Trial(three(), 0)
+    winner, _ = decide(trial, [[1.0, 1.0, 3.0]])
+    assert winner == 0  # a tie to the end: the lower index
+    assert trial.round_kinds == ["screen", "confirm", "tiebreak"]
 
 
 def test_missing_samples_are_ignored():
     nan = math.nan
-    trial = Trial(three()[:2], 0, measure=3)
+    trial = Trial(three()[:2], 0, measure=3, confirm_window=0.0)
     # rank 0 missed the first counted step of candidate 0 (a resume); rank 1 has it all
     rows = [[nan, 1.0, 1.0, 2.0, 2.0, 2.0], [1.1, 1.1, 1.1, 2.1, 2.1, 2.1]]
     assert trial.finish_round(rows, 8) == 0
@@ -242,15 +330,30 @@ def test_state_dict_round_trip_mid_trial_continues_identically():
     times = [[1.0, 1.01, 1.5], [1.2, 1.19, 1.4]]
     reference = Trial(three(), 5)
     step, rows = run_round(reference, times)
-    reference.finish_round(rows, step)  # a near-tie: round 1 starts
-    saved = reference.state_dict()
-    restored = Trial.from_state_dict(saved)
-    assert restored.state_dict() == saved
-    outcomes = []
-    for trial in (reference, restored):
-        step2, rows2 = run_round(trial, times)
-        outcomes.append((trial.finish_round(rows2, step2), trial.report()))
-    assert outcomes[0] == outcomes[1] and outcomes[0][0] is not None
+    reference.finish_round(rows, step)  # the confirm round starts
+    for _ in range(2):
+        saved = reference.state_dict()
+        restored = Trial.from_state_dict(saved)
+        assert restored.state_dict() == saved
+        outcomes = []
+        for trial in (reference, restored):
+            step2, rows2 = run_round(trial, times)
+            outcomes.append((trial.finish_round(rows2, step2), trial.report()))
+        assert outcomes[0] == outcomes[1]
+        if reference.done:
+            break
+    assert reference.done
+
+
+def test_a_trial_saved_by_the_two_round_version_finishes_its_tie_break():
+    old = {"candidates": [c.to_dict() for c in three()], "reason": "first", "settle": 1,
+           "measure": 3, "near_tie": 0.02, "max_remeasure": 2, "start_step": 5,
+           "rounds": [[0, 1, 2], [0, 1]], "round_start": 17,
+           "samples": [[1.0] * 3, [1.01] * 3, [1.5] * 3],
+           "local": [[math.nan] * 3, [math.nan] * 3], "winner": None, "decided_at": None}
+    trial = Trial.from_state_dict(old)
+    assert trial.round_kinds == ["screen", "tiebreak"] and trial.round_end == 17 + 2 * 4
+    assert trial.finish_round([[1.0] * 3 + [0.9] * 3], 25) == 1
 
 
 # ----------------------------------------------------------------------------- correction

@@ -257,19 +257,22 @@ class OMGSState:
             strategy's trial only compares its plan with the same groups all sparse,
             when the model sent some dense.
 
-            **Trial budget.** Each candidate runs ``1`` settle step (not counted) and
-            ``3`` counted steps; candidates within 2% of the best are measured once
-            more (at most 2 of them). A full trial (the first plan, a bucket-layout
-            change) has at most 7 candidates: at most ``(7 + 2) * 4 = 36`` steps, 3.6%
-            of a 1000-step run, typically 16-28. A later trial (a periodic re-plan
+            **Trial budget.** Up to three rounds (``plan_selection.Trial``): every
+            candidate runs ``1`` settle step (not counted) and ``2`` counted steps;
+            those within 30% of the best (at most 3) run again in reverse order with
+            ``3`` counted steps; when the best two are still closer than the samples'
+            noise (at least 2%), they run once more. A full trial (the first plan, a
+            bucket-layout change) has at most 7 candidates: at most
+            ``7 * 3 + (3 + 2) * 4 = 41`` steps, 4.1% of a 1000-step run, typically
+            26-41. A later trial (a periodic re-plan
             whose model plan differs from the one the last trial started from, e.g.
             after an online refit) compares the kept plan with the new model plan only
-            (at most 16 steps) and starts only while all later trials together stay
+            (at most 22 steps) and starts only while all later trials together stay
             within 3% of the steps run; otherwise the kept plan stays. Trial steps are
             ordinary training steps (error feedback is per parameter, so switching
             plans between steps changes no result); what a trial costs is the slower
             candidates' extra time over those steps. One small all-gather per
-            measuring round (two when near-ties are re-measured), from the hook.
+            measuring round (at most three per trial), from the hook.
             The trial's measurements also refit the model (a constant, seconds per
             element sent dense, seconds per sparse group: ``stats()["cost_correction"]``)
             for the later re-plans.
@@ -964,8 +967,8 @@ class OMGSState:
         kept = self.plan
         periodic = (self.select == "measured" and reason == "periodic" and kept is not None
                     and kept.layout == layout and self._model_key is not None)
-        longest = (2 + plan_selection.MAX_REMEASURE) * (
-            plan_selection.SETTLE_STEPS + plan_selection.MEASURE_STEPS)
+        # a periodic trial compares the kept plan with the new model plan
+        longest = plan_selection.trial_steps_bound(2)
         job = {
             "instance": instance.to_dict(),
             "layout": [list(b) for b in layout],

@@ -32,13 +32,22 @@ from .cost_model import Instance
 
 #: steps run with a candidate before its steps are counted (new buffer sizes, caches)
 SETTLE_STEPS = 1
-#: counted steps per candidate and round
-MEASURE_STEPS = 3
+#: counted steps per candidate in the screening round (every candidate)
+MEASURE_STEPS = 2
+#: counted steps per candidate in the confirm and tie-break rounds (the contenders)
+CONFIRM_STEPS = 3
+#: after screening, candidates within this fraction of the best are measured again
+#: (screening has 2 samples each, and a plan's step time moves by 10-25% under load)
+CONFIRM_WINDOW = 0.3
+#: at most this many candidates (the best included) take part in the confirm round
+MAX_CONFIRM = 3
 #: at most this many candidates in a full trial
 MAX_CANDIDATES = 7
-#: candidates whose measured time is within this fraction of the best are re-measured once
+#: after confirming, contenders closer than max(NEAR_TIE, NOISE_TIE * noise) to the best
+#: (noise: the samples' median relative deviation) are measured once more
 NEAR_TIE = 0.02
-#: at most this many candidates (the best included) take part in the re-measure round
+NOISE_TIE = 1.5
+#: at most this many contenders (the best included) take part in the tie-break round
 MAX_REMEASURE = 2
 #: later trials (a periodic re-plan whose model plan changed) start only while all of
 #: them together stay within this share of the steps run so far
@@ -46,6 +55,20 @@ RETRIAL_SHARE = 0.03
 #: candidates the model predicts slower than this factor times its best are not tried
 #: (the model's errors measured so far are within +-40%)
 PRUNE_FACTOR = 1.5
+
+
+def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS,
+                      confirm=CONFIRM_STEPS, max_confirm=MAX_CONFIRM,
+                      max_remeasure=MAX_REMEASURE):
+    """Most steps a trial of ``num_candidates`` can run (all three rounds)."""
+    n = int(num_candidates)
+    steps = n * (settle + measure)
+    if n > 1:
+        contenders = min(max_confirm, n)
+        steps += contenders * (settle + confirm)
+        if contenders > 1:
+            steps += min(max_remeasure, contenders) * (settle + confirm)
+    return steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,39 +186,81 @@ def _median(values):
     return statistics.median(values) if values else math.inf
 
 
+def _relative_spread(values):
+    """Median absolute deviation over the median of the known values (None for < 3)."""
+    values = [v for v in values if not math.isnan(v)]
+    if len(values) < 3:
+        return None
+    centre = statistics.median(values)
+    if not centre > 0:
+        return None
+    return statistics.median(abs(v - centre) for v in values) / centre
+
+
+SCREEN, CONFIRM, TIEBREAK = "screen", "confirm", "tiebreak"
+
+
 class Trial:
     """The schedule and the decision of one measured selection.
 
-    Round 0 runs every candidate in index order; each candidate's turn is ``settle``
-    steps (not counted) then ``measure`` counted steps, starting at hook step
-    ``start_step``. The hook reports this rank's seconds per step (:meth:`record`);
-    when the round is complete (:meth:`round_complete`) it all-gathers
-    :meth:`local_row` and calls :meth:`finish_round` with every rank's row. A step's
-    time is the *slowest* rank's (collectives wait for it); a candidate's time is the
-    median over its counted steps. Candidates within ``near_tie`` of the best (at most
-    ``max_remeasure``, best first) are measured once more in round 1, and the winner is
-    the lowest median over both rounds; ties go to the lower index (the model's choice
-    first). A missing sample (NaN: e.g. the first step after a resume has no previous
-    arrival) is ignored. All of it is a function of the gathered numbers only.
+    Three rounds, each a list of candidates run one after the other; a candidate's turn
+    is ``settle`` steps (not counted) then its counted steps:
+
+    1. *screen*: every candidate in index order, ``measure`` counted steps each;
+    2. *confirm*: the candidates within ``confirm_window`` of the screen's best (at most
+       ``max_confirm``, best first), in reverse index order, ``confirm`` counted steps;
+    3. *tie-break*: the confirmed candidates within ``max(near_tie, noise_tie * noise)``
+       of the best (at most ``max_remeasure``), in index order again, ``confirm`` steps.
+       ``noise`` is the median relative deviation of the contenders' samples, so a
+       difference the measurements cannot resolve is measured once more.
+
+    Reversing the order from round to round makes a slow drift of the machine (load
+    that comes and goes) hit the contenders alike, instead of favouring whichever ran
+    last. A round with a single candidate is skipped: it is the winner. The winner is
+    the lowest median over all of a candidate's samples among the last round's
+    members; ties go to the lower index (the model's choice first). A candidate's time
+    is the geometric mean over the rounds it ran in of its median in that round: every
+    contender of a round ran in all the earlier rounds, so they are compared over the
+    same rounds, and a drift that favours late positions in one round favours early
+    ones in the next.
+
+    The hook reports this rank's seconds per step (:meth:`record`); when a round is
+    complete (:meth:`round_complete`) it all-gathers :meth:`local_row` and calls
+    :meth:`finish_round` with every rank's row. A step's time is the *slowest* rank's
+    (collectives wait for it). A missing sample (NaN: e.g. the first step after a
+    resume has no previous arrival) is ignored. All of it is a function of the gathered
+    numbers only.
     """
 
     def __init__(self, candidates: Sequence[Candidate], start_step: int, reason: str = "model",
                  settle: int = SETTLE_STEPS, measure: int = MEASURE_STEPS,
-                 near_tie: float = NEAR_TIE, max_remeasure: int = MAX_REMEASURE):
+                 near_tie: float = NEAR_TIE, max_remeasure: int = MAX_REMEASURE,
+                 confirm: int = CONFIRM_STEPS, confirm_window: float = CONFIRM_WINDOW,
+                 max_confirm: int = MAX_CONFIRM, noise_tie: float = NOISE_TIE):
         if len(candidates) < 1:
             raise ValueError("a trial needs at least one candidate")
-        if settle < 0 or measure < 1:
-            raise ValueError("settle must be >= 0 and measure >= 1")
+        if settle < 0 or measure < 1 or confirm < 1:
+            raise ValueError("settle must be >= 0, measure and confirm >= 1")
+        if confirm_window < 0 or near_tie < 0 or noise_tie < 0 or max_confirm < 1 \
+                or max_remeasure < 1:
+            raise ValueError("windows must be >= 0, max_confirm and max_remeasure >= 1")
         self.candidates = list(candidates)
         self.reason = str(reason)
         self.settle = int(settle)
         self.measure = int(measure)
+        self.confirm = int(confirm)
+        self.confirm_window = float(confirm_window)
+        self.max_confirm = int(max_confirm)
         self.near_tie = float(near_tie)
+        self.noise_tie = float(noise_tie)
         self.max_remeasure = int(max_remeasure)
         self.start_step = int(start_step)
         self.rounds = [list(range(len(self.candidates)))]
+        self.round_kinds = [SCREEN]
         self.round_start = int(start_step)
         self.samples = [[] for _ in self.candidates]  # slowest-rank seconds, per round order
+        self.round_samples = []  # per finished round: {candidate: its samples there}
+        self.noise = None
         self.local = self._empty_local()
         self.winner = None
         self.decided_at = None
@@ -206,8 +271,13 @@ class Trial:
         return self.winner is not None
 
     @property
+    def counted(self):
+        """Counted steps per candidate in the current round."""
+        return self.measure if self.round_kinds[-1] == SCREEN else self.confirm
+
+    @property
     def per_candidate(self):
-        return self.settle + self.measure
+        return self.settle + self.counted
 
     @property
     def round_end(self):
@@ -215,8 +285,9 @@ class Trial:
         return self.round_start + len(self.rounds[-1]) * self.per_candidate
 
     def max_steps(self):
-        """Upper bound of the steps this trial runs (both rounds)."""
-        return (len(self.candidates) + min(self.max_remeasure, len(self.candidates))) * self.per_candidate
+        """Upper bound of the steps this trial runs (all rounds)."""
+        return trial_steps_bound(len(self.candidates), self.settle, self.measure,
+                                 self.confirm, self.max_confirm, self.max_remeasure)
 
     def _slot(self, step):
         """(position in the current round, counted index or None) of ``step``, or None."""
@@ -242,7 +313,7 @@ class Trial:
         return not self.done and step >= self.round_end
 
     def _empty_local(self):
-        return [[math.nan] * self.measure for _ in self.rounds[-1]]
+        return [[math.nan] * self.counted for _ in self.rounds[-1]]
 
     def local_row(self) -> List[float]:
         """This rank's counted seconds of the round, flat (NaN where missing)."""
@@ -250,36 +321,65 @@ class Trial:
 
     # -- decision ---------------------------------------------------------------------
     def measured_s(self, index) -> float:
-        return _median(self.samples[index])
+        """Geometric mean over the rounds ``index`` ran in of its median there (inf when
+        a round has no sample of it, or it never ran)."""
+        medians = [_median(r[index]) for r in self.round_samples if index in r]
+        if not medians or any(not (0 < m < math.inf) for m in medians):
+            return math.inf
+        return math.exp(statistics.fmean(math.log(m) for m in medians))
+
+    def _next_round(self, kind, members, step):
+        self.rounds.append(list(members))
+        self.round_kinds.append(kind)
+        self.round_start = int(step)
+        self.local = self._empty_local()
 
     def finish_round(self, rows, step):
         """Close the round with every rank's :meth:`local_row` (the same list on every rank)
-        at hook step ``step``. Returns the winner's index, or None when a re-measure round
+        at hook step ``step``. Returns the winner's index, or None when another round
         starts at ``step``."""
-        width = len(self.rounds[-1]) * self.measure
+        counted = self.counted
+        width = len(self.rounds[-1]) * counted
         rows = [list(map(float, r)) for r in rows]
         if not rows or any(len(r) != width for r in rows):
             raise ValueError(f"expected rows of {width} numbers, got {[len(r) for r in rows]}")
+        this_round = {}
         for position, index in enumerate(self.rounds[-1]):
-            for j in range(self.measure):
-                column = [r[position * self.measure + j] for r in rows]
+            this_round[index] = []
+            for j in range(counted):
+                column = [r[position * counted + j] for r in rows]
                 known = [x for x in column if not math.isnan(x)]
-                self.samples[index].append(max(known) if known else math.nan)
-        round_members = self.rounds[-1]
-        times = {i: self.measured_s(i) for i in round_members}
-        best = min(round_members, key=lambda i: (times[i], i))
-        if len(self.rounds) == 1 and math.isfinite(times[best]):
-            tied = sorted((i for i in round_members
-                           if times[i] <= times[best] * (1.0 + self.near_tie)),
-                          key=lambda i: (times[i], i))[:self.max_remeasure]
-            if len(tied) > 1:
-                self.rounds.append(sorted(tied))
-                self.round_start = int(step)
-                self.local = self._empty_local()
-                return None
+                this_round[index].append(max(known) if known else math.nan)
+            self.samples[index].extend(this_round[index])
+        self.round_samples.append(this_round)
+        members = self.rounds[-1]
+        kind = self.round_kinds[-1]
+        times = {i: self.measured_s(i) for i in members}
+        ranked = sorted(members, key=lambda i: (times[i], i))
+        best = ranked[0]
+        if math.isfinite(times[best]) and kind != TIEBREAK:
+            if kind == SCREEN:
+                limit = times[best] * (1.0 + self.confirm_window)
+                contenders = [i for i in ranked if times[i] <= limit][:self.max_confirm]
+                if len(contenders) > 1:
+                    self._next_round(CONFIRM, sorted(contenders, reverse=True), step)
+                    return None
+            else:
+                spreads = [x for x in (_relative_spread(this_round[i]) for i in members)
+                           if x is not None]
+                self.noise = statistics.median(spreads) if spreads else None
+                tie = max(self.near_tie, self.noise_tie * (self.noise or 0.0))
+                tied = [i for i in ranked if times[i] <= times[best] * (1.0 + tie)]
+                tied = tied[:self.max_remeasure]
+                if len(tied) > 1:
+                    self._next_round(TIEBREAK, sorted(tied), step)
+                    return None
         self.winner = best
         self.decided_at = int(step)
         return best
+
+    def _members(self, kind):
+        return [i for r, k in zip(self.rounds, self.round_kinds) if k == kind for i in r]
 
     def report(self):
         """Every candidate with its prediction and measurement, and the winner."""
@@ -294,7 +394,9 @@ class Trial:
         return {"reason": self.reason, "start_step": self.start_step,
                 "decided_at": self.decided_at,
                 "winner": None if self.winner is None else self.candidates[self.winner].name,
-                "remeasured": [self.candidates[i].name for i in self.rounds[1]] if len(self.rounds) > 1 else [],
+                "confirmed": [self.candidates[i].name for i in self._members(CONFIRM)],
+                "remeasured": [self.candidates[i].name for i in self._members(TIEBREAK)],
+                "noise": self.noise,
                 "candidates": out}
 
     def summary(self):
@@ -304,25 +406,53 @@ class Trial:
     # -- persistence --------------------------------------------------------------------
     def state_dict(self):
         return {"candidates": [c.to_dict() for c in self.candidates], "reason": self.reason,
-                "settle": self.settle, "measure": self.measure, "near_tie": self.near_tie,
+                "settle": self.settle, "measure": self.measure, "confirm": self.confirm,
+                "confirm_window": self.confirm_window, "max_confirm": self.max_confirm,
+                "near_tie": self.near_tie, "noise_tie": self.noise_tie,
                 "max_remeasure": self.max_remeasure, "start_step": self.start_step,
-                "rounds": [list(r) for r in self.rounds], "round_start": self.round_start,
-                "samples": [list(s) for s in self.samples],
+                "rounds": [list(r) for r in self.rounds], "round_kinds": list(self.round_kinds),
+                "round_start": self.round_start,
+                "samples": [list(s) for s in self.samples], "noise": self.noise,
+                "round_samples": [[[int(i), list(v)] for i, v in r.items()]
+                                  for r in self.round_samples],
                 "local": [list(r) for r in self.local],
                 "winner": self.winner, "decided_at": self.decided_at}
 
     @classmethod
     def from_state_dict(cls, sd):
+        # a state saved before the confirm round existed: its second round was the
+        # tie-break, measured with the screen's step count
+        legacy = "round_kinds" not in sd
         trial = cls([Candidate.from_dict(c) for c in sd["candidates"]], int(sd["start_step"]),
                     reason=sd.get("reason", "model"), settle=int(sd["settle"]),
                     measure=int(sd["measure"]), near_tie=float(sd["near_tie"]),
-                    max_remeasure=int(sd["max_remeasure"]))
+                    max_remeasure=int(sd["max_remeasure"]),
+                    confirm=int(sd.get("confirm", sd["measure"])),
+                    confirm_window=float(sd.get("confirm_window", CONFIRM_WINDOW)),
+                    max_confirm=int(sd.get("max_confirm", MAX_CONFIRM)),
+                    noise_tie=float(sd.get("noise_tie", NOISE_TIE)))
         trial.rounds = [[int(i) for i in r] for r in sd["rounds"]]
+        trial.round_kinds = ([SCREEN] + [TIEBREAK] * (len(trial.rounds) - 1) if legacy
+                             else [str(k) for k in sd["round_kinds"]])
         trial.round_start = int(sd["round_start"])
-        trial.samples = [[float(x) for x in s] for s in sd["samples"]]
-        trial.local = [[float(x) for x in r] for r in sd["local"]]
         trial.winner = None if sd.get("winner") is None else int(sd["winner"])
         trial.decided_at = None if sd.get("decided_at") is None else int(sd["decided_at"])
+        trial.samples = [[float(x) for x in s] for s in sd["samples"]]
+        if legacy:  # rebuild the finished rounds' samples from the flat lists
+            finished = len(trial.rounds) - 1 if trial.winner is None else len(trial.rounds)
+            used = [0] * len(trial.candidates)
+            trial.round_samples = []
+            for members in trial.rounds[:finished]:
+                this_round = {}
+                for i in members:
+                    this_round[i] = trial.samples[i][used[i]:used[i] + trial.measure]
+                    used[i] += trial.measure
+                trial.round_samples.append(this_round)
+        else:
+            trial.round_samples = [{int(i): [float(x) for x in v] for i, v in r}
+                                   for r in sd["round_samples"]]
+        trial.noise = None if sd.get("noise") is None else float(sd["noise"])
+        trial.local = [[float(x) for x in r] for r in sd["local"]]
         return trial
 
 
