@@ -11,8 +11,12 @@ group:
   ``sampled`` and ``cupy`` backends). Target: under 100 ms per plan.
 * ``optimal, 1000 units, n log n top-k``: ``c2 > 0`` (e.g. ``torch.topk`` on a CPU).
   Target: under 100 ms per plan.
-* ``greedy, 1000 units`` and ``optimal, 100 units, dense cost``. Target for the dense
-  option: under 200 ms per plan.
+* ``greedy, 1000 units``.
+* ``optimal, 1000 units, dense cost`` (and the random dense classes below, at 1000
+  units). Target for the dense option: exact (no ``SearchBudgetWarning``) and under
+  200 ms per plan. NOT MET yet: with a dense cost the planner's search budget always
+  applies (docs/cost-model.md), so these benchmarks are marked ``xfail`` (strict: they
+  report when the target starts to hold); they still record the time per plan.
 
 Random instances (:func:`random_case`, the adversarial classes of docs/cost-model.md):
 wide-ranging sparse instances with ``c2 = 0`` and ``c2 > 0``, a network 10-200x slower
@@ -95,15 +99,32 @@ def test_bench_greedy_1000_units(benchmark, seed):
     assert sum(len(g) for g in plan.groups) == 1000
 
 
+DENSE_NOT_EXACT = pytest.mark.xfail(
+    strict=True,
+    reason="open target: with a dense cost SEARCH_BUDGET always applies (not proven optimal)",
+)
+
+
+def _plan_recording_budget_hits(benchmark, inst, rounds):
+    """Benchmark `optimal` on inst; returns (plan, whether any round hit the budget).
+
+    Warnings are recorded rather than raised, so that the time is measured either way."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SearchBudgetWarning)
+        plan = benchmark.pedantic(make_plan, args=(inst, "optimal"), rounds=rounds,
+                                  warmup_rounds=0)
+    return plan, any(issubclass(w.category, SearchBudgetWarning) for w in caught)
+
+
+@DENSE_NOT_EXACT
 @pytest.mark.parametrize("seed", SEEDS)
-def test_bench_optimal_100_units_dense(benchmark, seed):
-    inst = _instance(seed, 100, dense=True, topk="mixed")
-    benchmark.group = "optimal, 100 units, dense cost"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", SearchBudgetWarning)
-        plan = benchmark.pedantic(make_plan, args=(inst, "optimal"), rounds=10, warmup_rounds=1)
+def test_bench_optimal_1000_units_dense(benchmark, seed):
+    inst = _instance(seed, 1000, dense=True, topk="mixed")
+    benchmark.group = "optimal, 1000 units, dense cost"
+    plan, budget_hit = _plan_recording_budget_hits(benchmark, inst, rounds=3)
     assert len(plan.dense) == len(plan.groups)
     _check_optimal(inst, plan)
+    assert not budget_hit, "SearchBudgetWarning: the dense plan is not proven optimal"
 
 
 # ----------------------------------------------------------------------- random instances
@@ -168,10 +189,11 @@ RANDOM_CASES = {
     "random sparse, c2 = 0": (1000, lambda rng, n: _wide_random(rng, n, False, False)),
     "random sparse, c2 > 0": (1000, lambda rng, n: _wide_random(rng, n, False, True)),
     "slow network, n log n top-k": (1000, lambda rng, n: _slow_network(rng, n, False)),
-    "random dense": (100, lambda rng, n: _wide_random(rng, n, True, bool(rng.random() < 0.5))),
-    "slow network, dense": (100, lambda rng, n: _slow_network(rng, n, True)),
-    "dense close to sparse": (100, lambda rng, n: _dense_close(rng, n)),
+    "random dense": (1000, lambda rng, n: _wide_random(rng, n, True, bool(rng.random() < 0.5))),
+    "slow network, dense": (1000, lambda rng, n: _slow_network(rng, n, True)),
+    "dense close to sparse": (1000, lambda rng, n: _dense_close(rng, n)),
 }
+DENSE_CASES = ("random dense", "slow network, dense", "dense close to sparse")
 
 
 def random_case(name, seed):
@@ -180,14 +202,16 @@ def random_case(name, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("case", list(RANDOM_CASES))
+@pytest.mark.parametrize(
+    "case", [c if c not in DENSE_CASES else pytest.param(c, marks=DENSE_NOT_EXACT)
+             for c in RANDOM_CASES]
+)
 def test_bench_optimal_random_instances(benchmark, case, seed):
     inst = random_case(case, seed)
     benchmark.group = f"optimal, {inst.num_units} units, {case}"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", SearchBudgetWarning)
-        plan = benchmark.pedantic(make_plan, args=(inst, "optimal"), rounds=3, warmup_rounds=0)
+    plan, budget_hit = _plan_recording_budget_hits(benchmark, inst, rounds=3)
     _check_optimal(inst, plan)
+    assert not budget_hit, "SearchBudgetWarning: the plan is not proven optimal"
 
 
 # ----------------------------------------------------------------------- background planning

@@ -222,10 +222,12 @@ def _check_instance(inst, rng):
 
 @pytest.fixture(params=[1, None], ids=["prune-every-target", "default-pruning"])
 def pruning(request, monkeypatch):
-    """Run the exact search with its pruning rules applied at every target (so that small
-    instances exercise them) and with the default schedule."""
+    """Run the exact search with its pruning rules applied at every target and the
+    candidate pre-filter (_undominated) on every candidate set (so that small instances
+    exercise them), and with the default schedule."""
     if request.param is not None:
         monkeypatch.setattr(planner._FrontierSearch, "_PRUNE_EVERY", request.param)
+        monkeypatch.setattr(planner, "_PREFILTER_SIZE", 1)
     return request.param
 
 
@@ -314,6 +316,55 @@ def test_optimal_equals_the_reference_dp_on_medium_instances():
         assert plan.predicted_iteration_s == pytest.approx(truth, rel=REL)
         for name, value in _engine_times(inst).items():
             assert value == pytest.approx(truth, rel=REL), name
+
+
+def _front_with_and_without_prefilter(first, second, tie):
+    order = first.argsort(kind="stable")
+    plain = planner._pareto_front(first, second, order, tie)
+    kept = planner._undominated(first, second)
+    f, s = first[kept], second[kept]
+    chosen, new_first, new_second = planner._pareto_front(f, s, f.argsort(kind="stable"), tie)
+    return plain, (kept[chosen], new_first, new_second)
+
+
+def test_the_candidate_prefilter_changes_no_front():
+    """_undominated only drops candidates that _pareto_front would drop too, and dropping
+    them changes nothing it keeps - with exact ties, near ties (within `tie`) and blocks
+    of sorted runs like the searches' candidate sets."""
+    rng = np.random.default_rng(123)
+    dropped = 0
+    for i in range(400):
+        n = int(rng.integers(1, 3000))
+        if i % 3 == 0:  # few distinct values: many exact ties in both coordinates
+            first = rng.integers(0, 20, n).astype(float)
+            second = rng.integers(0, 20, n).astype(float)
+        elif i % 3 == 1:  # sorted runs (one per source prefix), e falling along a run
+            first = np.concatenate([np.sort(rng.random(r)) + rng.random()
+                                    for r in rng.integers(1, 40, n // 20 + 1)])
+            second = 3.0 - first + 0.3 * rng.random(first.size)
+        else:  # values within a few ties of each other
+            first = 1.0 + 1e-12 * rng.integers(0, 5, n)
+            second = 2.0 + 1e-12 * rng.integers(0, 5, n)
+        tie = float(rng.choice([0.0, 1e-12, 0.05]))
+        plain, filtered = _front_with_and_without_prefilter(first, second, tie)
+        for a, b in zip(plain, filtered):
+            np.testing.assert_array_equal(a, b)
+        dropped += first.size - planner._undominated(first, second).size
+    assert dropped > 0  # the filter does drop candidates
+
+
+def test_a_wrong_prefilter_is_detected(monkeypatch):
+    """The comparison above can fail: a filter that also drops candidates dominated by
+    one of equal `first` (not before them in the stable order) changes the front."""
+    first = np.array([1.0, 1.0, 2.0])
+    second = np.array([5.0, 5.0, 1.0])
+
+    def too_eager(f, s):
+        return np.array([1, 2])  # drops candidate 0, the one the stable order keeps
+
+    monkeypatch.setattr(planner, "_undominated", too_eager)
+    plain, filtered = _front_with_and_without_prefilter(first, second, 0.0)
+    assert not np.array_equal(plain[0], filtered[0])
 
 
 def test_the_reference_dp_equals_brute_force():

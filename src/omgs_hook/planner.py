@@ -801,6 +801,12 @@ class _FrontierSearch:
 
             # Pareto front: sort by c (stable, so earlier candidates win ties) and keep a
             # state when its e is clearly below the e of every state before it
+            if size > _PREFILTER_SIZE:
+                kept = _undominated(cand_c, cand_e)
+                if kept.size < size:
+                    cand_c, cand_e = cand_c[kept], cand_e[kept]
+                    pool = kept if pool is None else pool[kept]
+                    size = kept.size
             if size > 1:
                 chosen, new_c, new_e = _pareto_front(
                     cand_c, cand_e, cand_c.argsort(kind="stable"), tie)
@@ -902,6 +908,35 @@ class _FrontierSearch:
             flags.append(bool(dense[state]))
             state = int(parent[state])
         return tuple(reversed(bounds)), tuple(reversed(flags))
+
+
+# Candidate sets larger than this are thinned by _undominated before the sort.
+_PREFILTER_SIZE = 2048
+
+
+def _undominated(first, second):
+    """Indices of the candidates that survive a cheap dominance test (for large sets).
+
+    The candidates are put in buckets by ``first`` (a fixed grid from its minimum to its
+    maximum; a lower bucket means a strictly smaller ``first``, since the rounded
+    mapping is monotone), and a candidate ``i`` is dropped when some candidate ``a`` of
+    a lower bucket has ``second[a] <= second[i]``. This changes nothing that
+    :func:`_pareto_front` returns: sorted by ``first``, ``a`` comes before ``i``, so
+    ``i`` would not be kept (its ``second`` is not below ``second[a] - tie``); and for
+    every later candidate the running minimum of ``second`` before it includes
+    ``second[a] <= second[i]``, so removing ``i`` leaves that minimum as it was. The
+    result is the same as without the test; only the sort is smaller.
+    """
+    low = float(first.min())
+    high = float(first.max())
+    if not high > low:
+        return np.arange(first.size)
+    buckets = max(64, first.size // 4)
+    index = ((first - low) * ((buckets - 1) / (high - low))).astype(np.intp)
+    lowest = np.full(buckets + 1, np.inf)
+    np.minimum.at(lowest, index + 1, second)
+    np.minimum.accumulate(lowest, out=lowest)  # lowest[b]: over the buckets below b
+    return np.flatnonzero(lowest[index] > second)
 
 
 def _pareto_front(first, second, order, tie):
@@ -1142,6 +1177,11 @@ class _SuffixSearch:
                 viable = cand_g <= limit
             pool = np.flatnonzero(viable)
             count = pool.size
+            if count > _PREFILTER_SIZE:
+                kept = _undominated(cand_y[pool], cand_g[pool])
+                if kept.size < count:
+                    pool = pool[kept]
+                    count = pool.size
             if count > 1:
                 py, pg = cand_y[pool], cand_g[pool]
                 # by Ys, equal Ys by G, then first come
