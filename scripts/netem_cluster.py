@@ -44,12 +44,21 @@ Command line::
 
     python scripts/netem_cluster.py --nodes 4 --rate 100mbit -- python train.py --epochs 1
     python scripts/netem_cluster.py --nodes 2 --rate 50mbit --check
+    python scripts/netem_cluster.py --nodes 2 --ranks-per-node 2 --rate 100mbit -- python train.py
     python scripts/netem_cluster.py --teardown          # remove leftovers of a killed run
 
 Each rank's command runs with the variables ``torchrun`` would set (RANK, WORLD_SIZE,
-LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, GROUP_RANK, MASTER_ADDR = node 0's address,
+LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR = node 0's address,
 MASTER_PORT, OMP_NUM_THREADS=1) plus ``GLOO_SOCKET_IFNAME=eth0``: without it gloo
 resolves the host name to 127.0.0.1 inside the namespace and cannot connect.
+
+Several ranks per node (``--ranks-per-node L``, ``Cluster(..., ranks_per_node=L)``): the
+L ranks of a node share its namespace (ranks ``n*L .. n*L + L - 1`` on node ``n``, as
+torchrun numbers them), so traffic between them stays inside the namespace (the kernel
+delivers packets to a local address over loopback, unshaped) and only traffic between
+nodes crosses the shaped links - a multi-GPU node's fast local links against its slower
+network. ``LOCAL_WORLD_SIZE=L`` lets the hook's ``topology="auto"`` pick the two-level
+exchange.
 
 Requirements: root (namespaces and qdiscs), ``ip`` and ``tc`` from iproute2, and a
 kernel with veth, bridge and tbf. Everything is removed on exit, on an exception and on
@@ -79,6 +88,7 @@ NAME_PREFIX = "omgs"
 SUBNET_PREFIX = "10.213.0."
 SUBNET_BITS = 24
 MAX_NODES = 250
+MAX_RANKS_PER_NODE = 64
 NODE_IFACE = "eth0"
 BRIDGE = "br0"
 BASE_PORT = 29500
@@ -427,7 +437,9 @@ class Cluster:
     """N network namespaces, one per rank, joined by a shaped bridge. Use as a context.
 
     Args:
-        nodes: number of namespaces (ranks), 2 .. 250.
+        nodes: number of namespaces (nodes), 2 .. 250.
+        ranks_per_node: ranks sharing each node's namespace (default 1); rank ``r``
+            runs on node ``r // ranks_per_node``.
         rate: link rate of every node, a tc-style string ("1gbit", "100mbit", see
             :func:`parse_rate`), applied in both directions of each node's link.
         delay: optional one-way delay added to each node's outgoing traffic ("5ms");
@@ -441,12 +453,19 @@ class Cluster:
     ``rate_bps``, ``rate``, ``delay_s``.
     """
 
-    def __init__(self, nodes=2, rate="1gbit", delay=None, handle_signals=True):
+    def __init__(self, nodes=2, rate="1gbit", delay=None, handle_signals=True,
+                 ranks_per_node=1):
         if isinstance(nodes, bool) or not isinstance(nodes, int):
             raise ClusterError(f"nodes must be an integer, got {nodes!r}")
         if not 2 <= nodes <= MAX_NODES:
             raise ClusterError(f"nodes must be between 2 and {MAX_NODES}, got {nodes}")
+        if (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                or not 1 <= ranks_per_node <= MAX_RANKS_PER_NODE):
+            raise ClusterError(f"ranks_per_node must be an integer between 1 and "
+                               f"{MAX_RANKS_PER_NODE}, got {ranks_per_node!r}")
         self.nodes = nodes
+        self.ranks_per_node = ranks_per_node
+        self.world_size = nodes * ranks_per_node
         self.rate_bps = parse_rate(rate)
         self.rate = f"{self.rate_bps}bit"
         self.delay_s = None if delay is None else parse_delay(delay)
@@ -470,12 +489,18 @@ class Cluster:
         return NODE_IFACE
 
     def namespace(self, rank):
+        """The namespace ``rank`` runs in (its node's)."""
+        return self.namespaces[self.node_of(rank)]
+
+    def node_of(self, rank):
+        """The node (namespace index) of ``rank``: ``rank // ranks_per_node``."""
         self._check_rank(rank)
-        return self.namespaces[rank]
+        return rank // self.ranks_per_node
 
     def _check_rank(self, rank):
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.nodes:
-            raise ClusterError(f"rank must be an integer in [0, {self.nodes}), got {rank!r}")
+        if (isinstance(rank, bool) or not isinstance(rank, int)
+                or not 0 <= rank < self.world_size):
+            raise ClusterError(f"rank must be an integer in [0, {self.world_size}), got {rank!r}")
 
     # -- lifecycle
     def __enter__(self):
@@ -610,8 +635,10 @@ class Cluster:
         merged["OMP_NUM_THREADS"] = "1"
         merged.update({str(k): str(v) for k, v in (env or {}).items()})
         merged.update({
-            "RANK": str(rank), "WORLD_SIZE": str(self.nodes), "GROUP_RANK": str(rank),
-            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+            "GROUP_RANK": str(rank // self.ranks_per_node),
+            "LOCAL_RANK": str(rank % self.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
             "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(master_port),
             "GLOO_SOCKET_IFNAME": NODE_IFACE, "TP_SOCKET_IFNAME": NODE_IFACE,
             "OMGS_NETEM_RATE_BPS": str(self.rate_bps),
@@ -622,7 +649,7 @@ class Cluster:
         """Start ``argv`` inside rank's namespace (a subprocess.Popen; caller waits)."""
         self._require_active()
         self._check_rank(rank)
-        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[rank]] + list(argv),
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace(rank)] + list(argv),
                                 **kwargs)
 
     def run_ranks(self, argv, env=None, timeout=600.0, cwd=None, master_port=None,
@@ -653,13 +680,13 @@ class Cluster:
         if master_port is None:
             master_port = self._next_port
             self._next_port += 1
-        stdout = [[] for _ in range(self.nodes)]
-        stderr = [[] for _ in range(self.nodes)]
+        stdout = [[] for _ in range(self.world_size)]
+        stderr = [[] for _ in range(self.world_size)]
         procs, readers = [], []
         start = time.monotonic()
         timed_out, first_failure = False, None
         try:
-            for rank in range(self.nodes):
+            for rank in range(self.world_size):
                 proc = self.popen(rank, argv, env=self.rank_env(rank, master_port, env),
                                   cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, start_new_session=True)
@@ -715,12 +742,15 @@ class Cluster:
         self._check_rank(dst)
         if src == dst:
             raise ClusterError("measure_throughput needs two different ranks")
+        if self.node_of(src) == self.node_of(dst):
+            raise ClusterError("measure_throughput needs ranks on two different nodes")
         if not 0 < seconds <= 60:
             raise ClusterError(f"seconds must be in (0, 60], got {seconds!r}")
         if max_bytes is None:
             max_bytes = int(min(1 << 30, 1.5 * self.rate_bps / 8 * seconds))
         limit = seconds + 30
-        receiver = self.popen(dst, [sys.executable, "-c", _RECEIVER, self.addresses[dst],
+        address = self.addresses[self.node_of(dst)]
+        receiver = self.popen(dst, [sys.executable, "-c", _RECEIVER, address,
                                     str(port), str(limit)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
@@ -728,7 +758,7 @@ class Cluster:
         try:
             if receiver.stdout.readline().strip() != "ready":
                 raise ClusterError(f"throughput receiver failed: {receiver.stderr.read()}")
-            sender = self.popen(src, [sys.executable, "-c", _SENDER, self.addresses[dst],
+            sender = self.popen(src, [sys.executable, "-c", _SENDER, address,
                                       str(port), str(seconds), str(max_bytes)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -789,7 +819,12 @@ def build_parser():
         description="Run a command once per rank in an emulated cluster of network "
                     "namespaces behind a rate-limited switch (see module docstring).",
         epilog="example: netem_cluster.py --nodes 4 --rate 100mbit -- python train.py")
-    parser.add_argument("--nodes", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument("--nodes", type=int, default=2,
+                        help="number of nodes (network namespaces; default 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="ranks sharing each node's namespace: traffic between them "
+                             "stays on loopback, between nodes it crosses the shaped links "
+                             "(default 1)")
     parser.add_argument("--rate", default="1gbit",
                         help="link rate per node, both directions, e.g. 1gbit, 100mbit")
     parser.add_argument("--delay", default=None,
@@ -824,15 +859,19 @@ def main(argv=None):
             return 0
         if not command and not args.check:
             raise ClusterError("nothing to do: give --check and/or `-- command ...`")
-        cluster = Cluster(nodes=args.nodes, rate=args.rate, delay=args.delay)
+        cluster = Cluster(nodes=args.nodes, rate=args.rate, delay=args.delay,
+                          ranks_per_node=args.ranks_per_node)
         with cluster:
-            print(f"emulated cluster: {cluster.nodes} nodes at {format_rate(cluster.rate_bps)}"
+            print(f"emulated cluster: {cluster.nodes} nodes"
+                  + (f" x {cluster.ranks_per_node} ranks" if cluster.ranks_per_node > 1 else "")
+                  + f" at {format_rate(cluster.rate_bps)}"
                   f" per link (tbf burst {cluster.burst_bytes} B, gso_max_size "
                   f"{cluster.gso_max_size} B)"
                   + (f", one-way delay {cluster.delay_s * 1e3:g} ms" if cluster.delay_s else
                      ", no added delay"), flush=True)
             if args.check:
-                result = cluster.measure_throughput(0, 1, seconds=args.check_seconds)
+                result = cluster.measure_throughput(0, cluster.ranks_per_node,
+                                                    seconds=args.check_seconds)
                 print(f"node 0 -> node 1: {format_rate(result.bits_per_s)} achieved vs "
                       f"{format_rate(cluster.rate_bps)} configured "
                       f"({100 * result.bits_per_s / cluster.rate_bps:.1f}%, "

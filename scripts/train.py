@@ -126,6 +126,12 @@ def parse_args(argv=None):
         help="omgs hooks: after the dense warm-up, lower the density exponentially from "
              "0.25 to --density over this many steps (DGC's warm-up; 0 = off)")
     add("--replan-every", type=int, default=100, help="omgs hooks: steps between re-plans")
+    add("--topology", choices=("auto", "flat", "hierarchical"), default="auto",
+        help="omgs hooks: flat, hierarchical (two-level: dense reduce-scatter inside a node, "
+             "sparse all-gather between nodes) or auto (hierarchical with more than one node "
+             "and more than one rank per node; docs/hierarchical.md)")
+    add("--ranks-per-node", type=int, default=None,
+        help="omgs hooks: ranks per node (default: torchrun's LOCAL_WORLD_SIZE)")
     add("--profile", default=None, help="omgs hooks: cost-model profile JSON (omgs-profile)")
     add("--topk-backend", default="auto", help="omgs hooks: top-k backend (torch, sampled, cupy)")
     add("--allow-dense", action=argparse.BooleanOptionalAction, default=None,
@@ -221,6 +227,12 @@ def _validate(parser, args):
     if (args.local_clip_norm is not None or args.track_staleness) \
             and args.hook not in HOOK_STRATEGIES:
         parser.error("--local-clip-norm and --track-staleness only apply to the omgs hooks "
+                     "(topk, lags, omgs)")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        parser.error(f"--ranks-per-node: must be positive, got {args.ranks_per_node}")
+    if (args.topology != "auto" or args.ranks_per_node is not None) \
+            and args.hook not in HOOK_STRATEGIES:
+        parser.error("--topology and --ranks-per-node only apply to the omgs hooks "
                      "(topk, lags, omgs)")
     if args.hook == "powersgd" and args.warmup_steps < 2:
         parser.error("--warmup-steps: powersgd needs at least 2 dense steps (DDP rebuilds "
@@ -405,6 +417,10 @@ def hook_options(args):
         options["local_clip_norm"] = args.local_clip_norm
     if args.track_staleness:
         options["track_staleness"] = True
+    if args.topology != "auto":
+        options["topology"] = args.topology
+    if args.ranks_per_node is not None:
+        options["ranks_per_node"] = args.ranks_per_node
     return options
 
 

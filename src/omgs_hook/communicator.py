@@ -24,6 +24,7 @@ MAX_INDEX = torch.iinfo(torch.int32).max
 
 # torch >= 2.13 prefers all_gather_single; older releases only have the *_into_tensor name.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def payload_numel(k):

@@ -28,7 +28,8 @@ class GroupRecord:
     ``started`` (the hook began assembling it), ``issued`` (its collective was issued),
     ``done`` (written back) - host ``perf_counter`` seconds, for the measured timeline."""
 
-    __slots__ = ("keys", "dense", "numel", "selected", "bytes", "started", "issued", "done")
+    __slots__ = ("keys", "dense", "numel", "selected", "bytes", "started", "issued", "done",
+                 "inter_bytes", "intra_bytes")
 
     def __init__(self, keys, dense, numel, selected, nbytes, started=None):
         self.keys = keys
@@ -39,6 +40,8 @@ class GroupRecord:
         self.started = started
         self.issued = None
         self.done = None
+        self.inter_bytes = 0  # bytes this rank sends to ranks on other nodes / its own node
+        self.intra_bytes = 0
 
 
 class StepExchange:
@@ -58,8 +61,15 @@ class StepExchange:
 
     def __init__(self, memory, selector, process_group, world_size, density,
                  on_finished=None, on_comm_sample=None, raise_on_nonfinite=False,
-                 clip_per_sqrt_element=None, measure_health=False, track_staleness=False):
+                 clip_per_sqrt_element=None, measure_health=False, track_staleness=False,
+                 topology=None, subgroups=None):
         self.memory = memory
+        # omgs_hook.topology.Topology (None: flat, one rank per node assumed) and, for the
+        # two-level exchange, its Subgroups
+        self.topology = topology
+        self.subgroups = subgroups
+        # two-level groups in flight: [generator, work handle it waits on] (hierarchical)
+        self._pipelines = []
         self.selector = selector
         self.process_group = process_group
         self.world_size = world_size
@@ -142,6 +152,12 @@ class StepExchange:
         keys = tuple(keys)
         self.sent.update(keys)
         numel = sum(self.arrived[key][1].numel() for key in keys)
+        if self.subgroups is not None:
+            if not dense:
+                self._send_hierarchical(keys, numel)
+                return
+            # the flat path sends ordinary residuals: turn two-level shard residuals into them
+            self.memory.migrate_overlapping(keys)
         bucket_index = self.whole_bucket(keys) if dense else None
         if bucket_index is not None and self.clip_per_sqrt_element is None and all(
                 key in self.parked or self.memory.get(key) is None for key in keys):
@@ -326,14 +342,92 @@ class StepExchange:
         # the rest of the group's work on this thread, for the cost model
         self.overhead_samples.append((numel, selecting - started, time.perf_counter() - selected))
 
-    def _issue(self, start_collective, finish, record):
-        """Issue the group's collective (``start_collective() -> future``) and arrange for
-        ``finish`` (the write-back) to run when it completes. A profiler range
-        ``omgs/collective[gN]`` spans issue to completion."""
+    def _register(self, record):
+        """Count the group as issued (the step cannot finish before it is done)."""
+        self._byte_counts(record)
         with self._lock:
             group = self._issued
             self._issued += 1
             self.records.append(record)
+        return group
+
+    def _byte_counts(self, record):
+        """The record's inter- and intra-node bytes by the flat algorithm's own count:
+        an all-gather delivers this rank's payload to every other rank; an all-reduce is
+        counted as a reduce-scatter plus an all-gather, ``2 * bytes * (W - 1) / W``,
+        spread evenly over the other ranks. Ranks per node unknown: every other rank
+        counts as another node's."""
+        if record.inter_bytes or record.intra_bytes:
+            return  # counted by its sender (the two-level exchange)
+        world = self.world_size
+        local = self.topology.ranks_per_node if self.topology is not None else 1
+        if record.dense:
+            share = 2.0 * record.bytes / world if world > 1 else 0.0
+            record.inter_bytes = int(round(share * (world - local)))
+            record.intra_bytes = int(round(share * (local - 1)))
+        else:
+            record.inter_bytes = record.bytes * (world - local)
+            record.intra_bytes = record.bytes * (local - 1)
+
+    # -- the two-level exchange (omgs_hook.hierarchical) -------------------------------
+    def _send_hierarchical(self, keys, numel):
+        from . import hierarchical
+
+        if numel > communicator.MAX_INDEX:
+            raise ValueError(
+                f"a group of {numel} elements exceeds the int32 index range; use a plan "
+                "with smaller groups (e.g. strategy='threshold:...')"
+            )
+        lo, size = hierarchical.shard_bounds(numel, self.topology.ranks_per_node,
+                                             self.topology.local_rank)
+        k = selected_k(size, self.density)
+        record = GroupRecord(keys, False, numel, k * self.topology.ranks_per_node,
+                             communicator.payload_bytes(k), time.perf_counter())
+        record.inter_bytes, record.intra_bytes = hierarchical.byte_counts(numel, k, self.topology)
+        group = self._register(record)
+        stages = hierarchical.sparse_group(self, keys, numel, record)
+        self._pipelines.append([stages, None, group])
+        self._step_pipeline(self._pipelines[-1])
+
+    def _step_pipeline(self, entry):
+        """Wait for the entry's pending collective (if any) and run its next stage;
+        returns True when the generator is finished."""
+        stages, work, group = entry
+        try:
+            if work is not None:
+                work.wait()
+            with _range("hierarchical", group):
+                entry[1] = next(stages)
+            return False
+        except StopIteration:
+            return True
+        except BaseException as exc:  # noqa: BLE001 - every two-level group in flight fails
+            pending, self._pipelines = self._pipelines, []
+            for _ in pending:
+                self._fail(exc, group_finished=True)
+            raise
+
+    def advance(self):
+        """At a hook call: move every two-level group in flight one stage on (in send
+        order, identically on every rank)."""
+        if self._pipelines:
+            self._pipelines = [e for e in list(self._pipelines) if not self._step_pipeline(e)]
+
+    def drain(self):
+        """At the last bucket: run every two-level group to its last collective."""
+        while self._pipelines:
+            self.advance()
+
+    def _issue(self, start_collective, finish, record):
+        """Issue the group's collective (``start_collective() -> future``) and arrange for
+        ``finish`` (the write-back) to run when it completes. A profiler range
+        ``omgs/collective[gN]`` spans issue to completion."""
+        self._issue_registered(start_collective, finish, record, self._register(record))
+
+    def _issue_registered(self, start_collective, finish, record, group=None):
+        """``_issue`` for a record already counted by ``_register``."""
+        if group is None:
+            group = self.records.index(record)
         issue_wall = record.issued = time.perf_counter()
         with _range("collective", group) as span:
             future = start_collective()
@@ -343,7 +437,8 @@ class StepExchange:
         def on_done(fut):
             try:
                 fut.value()  # raises if the collective failed
-                if not record.dense and self.on_comm_sample is not None:
+                if (not record.dense and self.on_comm_sample is not None
+                        and self.subgroups is None):  # (two-level: three collectives)
                     self._comm_sample(record.bytes, issue_wall)
                 with _range("write_back", group):
                     finish()

@@ -63,6 +63,7 @@ from . import communicator
 from . import plan_selection
 from . import planner as planner_mod
 from . import topk as topk_mod
+from . import topology as topology_mod
 from .cost_model import Instance, InstanceError, LinearCost, TopkCost, Unit, check_groups
 from .background_planner import BackgroundPlanner
 from .group_exchange import StepExchange
@@ -310,6 +311,18 @@ class OMGSState:
         track_staleness (bool): keep, per element, the number of steps since it was last
             sent (an int32 counter per element: 4 bytes each, and one pass per group
             and step), reported per group in ``stats()["staleness"]``. Default False.
+            Not available with the two-level exchange.
+        topology (str): ``"flat"`` - every rank's top-k entries go to every other rank
+            (one all-gather per group) -, ``"hierarchical"`` - the two-level exchange of
+            :mod:`omgs_hook.hierarchical`: an intra-node reduce-scatter, top-k of each
+            local rank's shard of the node's sum, a sparse all-gather between nodes only,
+            an intra-node all-gather (docs/hierarchical.md) -, or ``"auto"`` (default):
+            hierarchical when there is more than one node and more than one rank per
+            node, else flat. Subgroups are created at registration (every rank must
+            construct the state at the same point, as with DDP itself).
+        ranks_per_node (int): ranks per node; consecutive ranks form a node. Default
+            None: torchrun's ``LOCAL_WORLD_SIZE`` (unset: one rank per node for
+            ``"auto"``; an error for ``"hierarchical"``). Must divide the world size.
     """
 
     def __init__(
@@ -334,6 +347,8 @@ class OMGSState:
         on_world_size_change="error",
         local_clip_norm=None,
         track_staleness=False,
+        topology="auto",
+        ranks_per_node=None,
     ):
         self.density = _check_fraction("density", density)
         try:
@@ -375,6 +390,12 @@ class OMGSState:
         if not isinstance(track_staleness, bool):
             raise ValueError(f"track_staleness must be True or False, got {track_staleness!r}")
         self.track_staleness = track_staleness
+        self._topology_options = (topology_mod.check_topology_option(topology),
+                                  topology_mod.check_ranks_per_node_option(ranks_per_node))
+        if topology == "hierarchical" and track_staleness:
+            raise ValueError("track_staleness is not available with topology='hierarchical'")
+        self.topology = None  # resolved (with the subgroups) at registration / first step
+        self._subgroups = None
         if select not in SELECT_MODES:
             raise ValueError(f"select must be one of {SELECT_MODES}, got {select!r}")
         self.select = select
@@ -440,10 +461,13 @@ class OMGSState:
         self._totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "elements": 0,
                         "selected": 0, "nonfinite_steps": 0, "replans": 0, "trials": 0,
                         "warmup_steps": 0, "warmup_elements": 0, "warmup_bytes": 0,
-                        "sparse_group_elements": 0, "sparse_group_selected": 0}
+                        "sparse_group_elements": 0, "sparse_group_selected": 0,
+                        "inter_node_bytes": 0, "intra_node_bytes": 0}
         self._hooks = []
         if self._pinned is not None and self._pinned[0] == "keys" and module is not None:
             _check_plan_keys(self._pinned[1], self._shapes)
+        if dist.is_available() and dist.is_initialized():
+            self._setup_topology()
         if module is not None:
             self._hooks.append(module.register_forward_pre_hook(self._on_forward_pre))
             self._hooks.append(module.register_forward_hook(self._on_forward))
@@ -482,11 +506,27 @@ class OMGSState:
     def world_size(self):
         return dist.get_world_size(self.process_group)
 
+    def _setup_topology(self):
+        """Resolve ``topology`` / ``ranks_per_node`` and create the two-level exchange's
+        subgroups (collective: every rank, same point, same order)."""
+        if self.topology is not None:
+            return
+        topology, ranks_per_node = self._topology_options
+        topo = topology_mod.resolve_topology(topology, ranks_per_node, self.world_size,
+                                             dist.get_rank(self.process_group))
+        if topo.hierarchical and self.track_staleness:
+            raise ValueError("track_staleness is not available with the two-level exchange "
+                             "(topology resolved to 'hierarchical'); pass topology='flat'")
+        self._subgroups = (topology_mod.build_subgroups(topo, self.process_group)
+                           if topo.hierarchical else None)
+        self.topology = topo
+
     def _first_bucket_setup(self, bucket):
         device = bucket.buffer().device
         if not bucket.buffer().is_floating_point():
             raise TypeError(f"OMGS needs floating-point gradients, got {bucket.buffer().dtype}")
         self._device = device
+        self._setup_topology()
         self.meter.use_device(device)
         self._selector = topk_mod.get_selector(self.topk_backend, device)
         world = self.world_size
@@ -522,6 +562,7 @@ class OMGSState:
             "refit_online": repr(self.refit_online),
             "local_clip_norm": repr(self.local_clip_norm),
             "track_staleness": repr(self.track_staleness),
+            "topology": self.topology.describe(),
             "nonfinite": self.nonfinite,
             "topk_backend": self._selector.name,
             "profile": repr((prof.comm, prof.dense, prof.topk_for(self._selector.name))),
@@ -587,6 +628,7 @@ class OMGSState:
             for key, param in zip(keys, params):
                 self.memory.note_shape(key, param.shape)
             future = exchange.add_bucket(bucket, keys, params)
+            exchange.advance()  # two-level groups in flight: one stage on
             last = bucket.is_last()
             self.meter.sends_started()
             if self._in_dense_mode():
@@ -597,6 +639,7 @@ class OMGSState:
                     self._flush(exchange)
             self.meter.sends_finished()
             if last:
+                exchange.drain()
                 exchange.finish_issuing()
                 self._end_step(exchange)
             exchange.hook_s += time.perf_counter() - entered
@@ -642,6 +685,8 @@ class OMGSState:
             clip_per_sqrt_element=self._clip_per_sqrt_element(),
             measure_health=self.step % HEALTH_EVERY == 0,
             track_staleness=self.track_staleness,
+            topology=self.topology,
+            subgroups=self._subgroups,
         )
         # the step this backward completes (counted from 1); the counter itself only
         # advances at the last bucket, possibly after the collectives finished
@@ -1082,6 +1127,8 @@ class OMGSState:
             "selected": selected,
             "density": selected / numel if numel else 0.0,
             "step_density": exchange.density,
+            "inter_node_bytes": sum(r.inter_bytes for r in records),
+            "intra_node_bytes": sum(r.intra_bytes for r in records),
             "groups": len(records),
             "dense_groups": sum(1 for r in records if r.dense),
             "group_keys": [list(r.keys) for r in records],
@@ -1095,6 +1142,8 @@ class OMGSState:
         t["steps"] += 1
         t["bytes_sent"] += nbytes
         t["dense_bytes"] += dense_bytes
+        t["inter_node_bytes"] += self._last["inter_node_bytes"]
+        t["intra_node_bytes"] += self._last["intra_node_bytes"]
         t["elements"] += numel
         t["selected"] += selected
         if getattr(exchange, "warmup", False):
@@ -1182,6 +1231,7 @@ class OMGSState:
             }
         return {
             "step": self.step,
+            "topology": self.topology.to_dict() if self.topology is not None else None,
             "last": self._last_with_hook_time(),
             "total": total,
             "plan": plan,
@@ -1251,7 +1301,8 @@ class OMGSState:
             lines.append(
                 f"omgs_hook after {s['step']} steps: plan '{plan.strategy}' ({how}, in use "
                 f"since step {plan.made_at_step}): {len(plan.groups)} groups, "
-                f"{sum(plan.dense)} dense, density {self.density:g}, select={self.select}")
+                f"{sum(plan.dense)} dense, density {self.density:g}, select={self.select}"
+                + (f", topology {self.topology.describe()}" if self.topology is not None else ""))
             costs = None
             if self._plan_instance is not None and self._plan_instance[0] == plan.layout:
                 costs = self._plan_instance[1]
@@ -1281,7 +1332,9 @@ class OMGSState:
         if last:
             ratio = last["dense_bytes"] / last["bytes_sent"] if last["bytes_sent"] else 0.0
             lines.append(f"  bytes sent per step: {last['bytes_sent'] / 1e3:,.1f} kB against "
-                         f"{last['dense_bytes'] / 1e3:,.1f} kB dense ({ratio:.1f}x less)")
+                         f"{last['dense_bytes'] / 1e3:,.1f} kB dense ({ratio:.1f}x less); "
+                         f"to other nodes {last['inter_node_bytes'] / 1e3:,.1f} kB, within "
+                         f"the node {last['intra_node_bytes'] / 1e3:,.1f} kB")
         predicted, measured = s["predicted_iteration_s"], s["measured_iteration_s"] or s["step_s"]
         if predicted is not None and measured:
             lines.append(f"  step: predicted {predicted:.4f} s, measured {measured:.4f} s "
@@ -1327,6 +1380,9 @@ class OMGSState:
             f" iter {measured if measured is None else round(measured, 4)} s"
             f" predicted {None if plan is None else round(plan['predicted_iteration_s'], 4)} s"
             f" plan {None if plan is None else plan['strategy']}"
+            + (f" topology {self.topology.describe()}"
+               f" inter-node {last.get('inter_node_bytes', 0) / 1e6:.3f} MB"
+               if self.topology is not None else "")
             + (f" ({self._trial.summary()} running)" if self._trial is not None else "")
             + (f" last {plan_selection.summary_of(self._last_trial)}"
                if self._last_trial is not None and self._trial is None else "")
@@ -1348,6 +1404,7 @@ class OMGSState:
             "density": self.density,
             "strategy": self.strategy,
             "residuals": self.memory.state_dict(),
+            "topology": self._saved_topology(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "measurements": self.meter.state_dict(),
             "group_overhead": self.overhead.state_dict(),
@@ -1390,13 +1447,26 @@ class OMGSState:
                     "cannot be re-split; pass on_world_size_change='reset' to drop them"
                 )
             drop_residuals = True
+        if not drop_residuals and dist.is_initialized():
+            self._setup_topology()
+            saved_topo, own_topo = sd.get("topology"), self._saved_topology()
+            if saved_topo != own_topo:
+                if self.on_world_size_change == "error":
+                    raise ValueError(
+                        f"topology: state saved with topology {saved_topo or 'flat'}, this "
+                        f"run has {own_topo or 'flat'}: residuals are per-rank (per-shard "
+                        "with the two-level exchange) error feedback and cannot be "
+                        "re-split; pass on_world_size_change='reset' to drop them"
+                    )
+                drop_residuals = True
         if not drop_residuals:
             self.memory.load_state_dict(residuals, self._shapes if self.module is not None else None)
         else:
             norm = sum(float(t.double().pow(2).sum()) for t in residuals.values()) ** 0.5
             logger.warning(
-                "omgs_hook: world size changed %s -> %s: dropping residuals (L2 norm %.4g)",
-                saved_world, self.world_size, norm,
+                "omgs_hook: world size or topology changed (%s, %s -> %s, %s): dropping "
+                "residuals (L2 norm %.4g)", saved_world, sd.get("topology") or "flat",
+                self.world_size, self._saved_topology() or "flat", norm,
             )
             self.memory.load_state_dict({})
         self.plan = GroupPlan.from_dict(sd["plan"]) if sd.get("plan") else None
@@ -1433,6 +1503,14 @@ class OMGSState:
             self._submit_plan_job(sd["plan_job"])
         if self._device is not None:
             self.memory.move_to(self._device)
+
+    def _saved_topology(self):
+        """What a checkpoint must match to reuse this rank's residuals: None for a flat
+        run, else the two-level exchange's node shape."""
+        if self.topology is None or not self.topology.hierarchical:
+            return None
+        return {"kind": self.topology.kind, "nodes": self.topology.nodes,
+                "ranks_per_node": self.topology.ranks_per_node}
 
     def close(self):
         """Remove the forward hooks this state put on the module; stop the planner thread."""

@@ -33,6 +33,17 @@ out of the group's buffers first.
 Updates are *staged*: each group stages its new residuals, and the whole step is
 committed at once when every group of the step has been exchanged, or dropped (the old
 residuals stay) when the step turned out non-finite or failed.
+
+Shard stores (the two-level exchange, :mod:`omgs_hook.hierarchical`)
+--------------------------------------------------------------------
+A group sent by the two-level exchange keeps its residual only for the shard of the
+group this rank owns (:class:`ShardStore`, ``S = ceil(D / ranks_per_node)`` elements,
+double-buffered like :class:`GroupBuffers`), so error-feedback memory per rank drops by
+the number of ranks per node. A store belongs to exactly one tuple of keys and one shard;
+when a group with other keys (a new plan, a dense group) touches any of its keys, the
+store is first *migrated*: turned into ordinary per-parameter residuals (zeros outside
+the shard), which the next group then consumes. ``state_dict`` expands stores the same
+way, so saved residuals are always full-shaped per parameter.
 """
 
 import threading
@@ -98,6 +109,67 @@ class GroupBuffers:
         self._current = 1 - self._current
 
 
+class ShardStore:
+    """The residual of one two-level group's shard: elements ``[lo, lo + size)`` of the
+    group's flattened range (``numel`` real elements; the shard may run past ``numel``:
+    padding, always zero), plus the step's working buffers."""
+
+    __slots__ = ("keys", "numels", "offsets", "numel", "lo", "size", "_buffers", "_current",
+                 "staging", "shard_sum")
+
+    def __init__(self, keys, numels, lo, size, padded, device):
+        self.keys = tuple(keys)
+        self.numels = tuple(int(n) for n in numels)
+        offsets, total = [], 0
+        for n in self.numels:
+            offsets.append(total)
+            total += n
+        self.offsets = tuple(offsets)
+        self.numel = total
+        self.lo, self.size = int(lo), int(size)
+        self._buffers = [torch.zeros(size, dtype=torch.float32, device=device) for _ in range(2)]
+        self._current = 0
+        # the local gradient, padded to ranks_per_node * size (reduce-scatter input), and
+        # the reduce-scatter's output: transient per step, kept to avoid reallocation
+        self.staging = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.shard_sum = torch.empty(size, dtype=torch.float32, device=device)
+
+    @property
+    def device(self):
+        return self._buffers[0].device
+
+    @property
+    def current(self):
+        return self._buffers[self._current]
+
+    @property
+    def spare(self):
+        return self._buffers[1 - self._current]
+
+    def swap(self):
+        self._current = 1 - self._current
+
+    def matches(self, numels, lo, size, device):
+        return (self.numels == tuple(int(n) for n in numels) and self.lo == lo
+                and self.size == size and self.device == device)
+
+    def key_ranges(self):
+        """Per key overlapping the shard: ``(key, start in the key, start in the shard,
+        length)``."""
+        out = []
+        hi = min(self.lo + self.size, self.numel)
+        for key, o, n in zip(self.keys, self.offsets, self.numels):
+            a, b = max(o, self.lo), min(o + n, hi)
+            if a < b:
+                out.append((key, a - o, a - self.lo, b - a))
+        return out
+
+    def to(self, device):
+        self._buffers = [b.to(device) for b in self._buffers]
+        self.staging = self.staging.to(device)
+        self.shard_sum = self.shard_sum.to(device)
+
+
 class ResidualMemory:
     """Per-parameter fp32 residuals with all-or-nothing step commits.
 
@@ -114,6 +186,9 @@ class ResidualMemory:
         self._groups = {}  # keys tuple -> GroupBuffers
         self._ages = {}  # key -> int32 ages of its elements (a slice of a group's ``ages``)
         self._used = set()  # keys tuples whose buffers this step used
+        self._shards = {}  # keys tuple -> ShardStore (two-level groups)
+        self._shard_of = {}  # key -> keys tuple of the ShardStore holding it
+        self._staged_shards = []  # ShardStores to swap at commit
         self._lock = threading.Lock()
 
     # -- reading --------------------------------------------------------------
@@ -139,7 +214,83 @@ class ResidualMemory:
         sq = 0.0
         for tensor in self._residuals.values():
             sq += float(tensor.double().pow(2).sum())
+        for store in self._shards.values():
+            sq += float(store.current.double().pow(2).sum())
         return sq ** 0.5
+
+    # -- shard stores (the two-level exchange; the hook's thread) ----------------
+    def shard_store(self, keys, numels, lo, size, padded, device):
+        """The :class:`ShardStore` of two-level group ``keys`` owning ``[lo, lo + size)``
+        (created on first use; stores overlapping ``keys`` otherwise are migrated first)."""
+        keys = tuple(keys)
+        self.migrate_overlapping(keys, keep=keys)
+        with self._lock:
+            store = self._shards.get(keys)
+            if store is not None and not store.matches(numels, lo, size, device):
+                self._migrate_locked(store)
+                store = None
+            if store is None:
+                store = ShardStore(keys, numels, lo, size, padded, device)
+                self._shards[keys] = store
+                for key in keys:
+                    self._shard_of[key] = keys
+        return store
+
+    def migrate_overlapping(self, keys, keep=None):
+        """Turn every shard store holding one of ``keys`` (except the store of ``keep``)
+        into per-parameter residuals: the mass stays, only its representation changes."""
+        with self._lock:
+            for owner in {self._shard_of[k] for k in keys if k in self._shard_of}:
+                if owner != keep:
+                    self._migrate_locked(self._shards[owner])
+
+    def _migrate_locked(self, store):
+        current = store.current
+        for key, k_start, s_start, n in store.key_ranges():
+            full = self._residuals.get(key)
+            if full is None:
+                full = torch.zeros(store.numels[store.keys.index(key)], dtype=torch.float32,
+                                   device=store.device)
+            else:
+                full = full.clone()
+            full[k_start:k_start + n] += current[s_start:s_start + n]
+            self._residuals[key] = full
+        del self._shards[store.keys]
+        for key in store.keys:
+            if self._shard_of.get(key) == store.keys:
+                del self._shard_of[key]
+
+    def adopt_into_shard(self, store, keys):
+        """Move the per-parameter residuals of ``keys`` (all in ``store``'s group) into the
+        store when each is zero outside the shard (a checkpoint of the same topology and
+        plan: keeps resume bit-exact). Returns the keys that could not be moved."""
+        left = []
+        with self._lock:
+            ranges = {key: (k_start, s_start, n) for key, k_start, s_start, n in store.key_ranges()}
+            current = store.current
+            for key in keys:
+                tensor = self._residuals.get(key)
+                if tensor is None:
+                    continue
+                if key not in ranges:
+                    if bool((tensor != 0).any()):
+                        left.append(key)
+                    else:
+                        del self._residuals[key]
+                    continue
+                k_start, s_start, n = ranges[key]
+                outside = torch.cat([tensor[:k_start], tensor[k_start + n:]])
+                if bool((outside != 0).any()):
+                    left.append(key)
+                    continue
+                current[s_start:s_start + n] += tensor[k_start:k_start + n]
+                del self._residuals[key]
+        return left
+
+    def stage_shard(self, store):
+        """Stage "``store.spare`` is the new shard residual" (from a collective callback)."""
+        with self._lock:
+            self._staged_shards.append(store)
 
     # -- group buffers (the hook's thread) --------------------------------------
     def group_buffers(self, keys, numels, device):
@@ -218,6 +369,8 @@ class ResidualMemory:
                 for key, view in zip(buffers.keys, buffers.current_views()):
                     if key in taken:
                         self._residuals[key] = view
+            for store in self._staged_shards:
+                store.swap()
             for key, tensor in self._staged.items():
                 if tensor is None:
                     self._residuals.pop(key, None)
@@ -237,6 +390,7 @@ class ResidualMemory:
     def _clear_step_locked(self):
         self._staged = {}
         self._staged_groups = []
+        self._staged_shards = []
         self._used = set()
 
     # -- persistence ------------------------------------------------------------
@@ -244,9 +398,17 @@ class ResidualMemory:
         """``{name: residual shaped like the parameter}`` (fp32 clones)."""
         out = {}
         for key, tensor in self._residuals.items():
+            out[key] = tensor.detach().clone()
+        for store in self._shards.values():  # full-shaped, zeros outside the shard
+            for key, n in zip(store.keys, store.numels):
+                if key not in out:  # every key of the group, so every rank saves the same keys
+                    out[key] = torch.zeros(n, dtype=torch.float32, device=store.device)
+            for key, k_start, s_start, n in store.key_ranges():
+                out[key][k_start:k_start + n] += store.current[s_start:s_start + n]
+        for key, t in out.items():
             shape = self._shapes.get(key)
-            t = tensor.detach().clone()
-            out[key] = t.view(shape) if shape is not None else t
+            if shape is not None:
+                out[key] = t.view(shape)
         return out
 
     def load_state_dict(self, residuals, expected_shapes=None):
@@ -275,6 +437,8 @@ class ResidualMemory:
         with self._lock:
             self._residuals = {}
             self._groups = {}
+            self._shards = {}
+            self._shard_of = {}
             self._clear_step_locked()
             for key, tensor in residuals.items():
                 self._shapes[key] = tuple(tensor.shape)
@@ -286,3 +450,6 @@ class ResidualMemory:
             for key, tensor in list(self._residuals.items()):
                 if tensor.device != device:
                     self._residuals[key] = tensor.to(device)
+            for store in self._shards.values():
+                if store.device != device:
+                    store.to(device)

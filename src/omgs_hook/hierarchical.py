@@ -1,0 +1,171 @@
+"""The two-level (hierarchical) exchange of one sparse group (``topology="hierarchical"``).
+
+With N nodes of L ranks (rank ``r`` = local rank ``r % L`` of node ``r // L``), a sparse
+group of D elements is split into L contiguous shards of ``S = ceil(D / L)`` elements
+(the last one padded with zeros to S: gloo's reduce-scatter and all-gather need equal
+sizes). Local rank ``l`` owns shard ``l`` and keeps that shard's residual only. Per step:
+
+1. **intra-node reduce-scatter** of the local gradients (dense fp32, over the node's L
+   ranks): local rank l gets the node's sum of shard l;
+2. the owner adds the shard's residual and selects the ``k = max(1, ceil(density * S))``
+   entries of largest magnitude (the same density as a flat group: the node sends
+   ``L * k ~ density * D`` entries);
+3. **inter-node packed all-gather** of ``(values, indices, status)`` among the N ranks
+   with the same local rank, one per node (the only traffic that crosses nodes);
+   the shard's new residual is the accumulator minus what was sent;
+4. **intra-node all-gather** of those N payloads (still sparse), so every rank holds all
+   ``L * N`` payloads; then every rank scatter-adds them (shard offsets added),
+   divides by the world size and writes the result back into DDP's bucket buffers.
+
+The residual is added *after* the reduce-scatter, by the shard's owner: that is what
+makes the per-rank error-feedback memory S instead of D, and it releases residual at the
+node level (the top-k of the node's summed accumulator). Residuals that are not in this
+group's shard store (a checkpoint, a plan change that moved shard boundaries) are added
+*before* the reduce-scatter by whichever rank holds them - the sums are the same, so no
+residual is lost or counted twice; only the rounding order differs from the fast path.
+
+Stages 1-3 each need the previous collective's result, and collectives may only be
+issued from the hook's own thread (a collective inside a future callback deadlocks gloo).
+The exchange is therefore a generator: it issues a collective and yields its work
+handle; :class:`~omgs_hook.group_exchange.StepExchange` waits for it and resumes the
+generator at the next hook call (the next bucket's arrival) or, at the last bucket, in a
+drain loop - at the same points on every rank, so the collectives' order agrees. Only
+the last stage's completion runs in a future callback (local work: unpack, scatter-add,
+write back, stage the residual).
+
+Dense groups (warm-up, ``density=1``, the plan's dense groups) use the flat all-reduce:
+gloo and NCCL already run it as a ring or tree over all ranks, which crosses nodes as
+little as a two-level all-reduce would; shard stores of their parameters are first
+migrated into ordinary residuals, which the dense path sends.
+
+Byte counts, per rank and group (the algorithm's own count, ``stats()["last"]``):
+``inter_node_bytes = (N - 1) * payload(k)``; ``intra_node_bytes = (L - 1) * 4 * S``
+(reduce-scatter) ``+ (L - 1) * N * payload(k)`` (all-gather), ``payload(k) = 4 * (2k + 1)``.
+"""
+
+import time
+
+import torch
+
+from . import communicator
+from .cost_model import selected_k
+
+
+def shard_bounds(numel, ranks_per_node, local_rank):
+    """``(lo, size)``: local rank ``local_rank``'s shard of a group of ``numel`` elements
+    (``size = ceil(numel / L)`` for every shard; the last may run past ``numel``)."""
+    size = -(-numel // ranks_per_node)
+    return local_rank * size, size
+
+
+def byte_counts(numel, k, topo):
+    """``(inter_node_bytes, intra_node_bytes)`` one rank sends for a two-level sparse group."""
+    L, N = topo.ranks_per_node, topo.nodes
+    _, size = shard_bounds(numel, L, topo.local_rank)
+    payload = communicator.payload_bytes(k)
+    return (N - 1) * payload, (L - 1) * 4 * size + (L - 1) * N * payload
+
+
+def sparse_group(ex, keys, numel, record):
+    """The two-level exchange of sparse group ``keys`` (see the module docstring); a
+    generator driven by ``ex`` (a StepExchange): yields the work handle of each of the
+    first two collectives, then issues the last one through ``ex._issue_registered``."""
+    topo, groups = ex.topology, ex.subgroups
+    L, N = topo.ranks_per_node, topo.nodes
+    started = record.started
+    lo, size = shard_bounds(numel, L, topo.local_rank)
+    k = selected_k(size, ex.density)
+    memory = ex.memory
+    device = ex.arrived[keys[0]][1].device
+    numels = [ex.arrived[key][1].numel() for key in keys]
+    store = memory.shard_store(keys, numels, lo, size, L * size, device)
+    # per-parameter residuals (a checkpoint, a migrated store): into the store when they
+    # lie in this rank's shard, else added before the reduce-scatter (and dropped on commit)
+    active = [key for key in keys if key not in ex.parked]
+    foreign = [key for key in active if memory.get(key) is not None]
+    if foreign:
+        foreign = memory.adopt_into_shard(store, foreign)
+    segments = ex._segments(keys)
+    staging = store.staging
+    factor, grad_sq = ex._clip_factor(segments, numel)
+    for g_off, n, grad in segments:
+        out = staging[g_off:g_off + n]
+        if factor is None:
+            out.copy_(grad)
+        else:
+            torch.mul(grad, factor, out=out)
+    if ex.measure_health:
+        ex.health.append([grad_sq if grad_sq is not None else staging[:numel].square().sum(), None])
+    offsets = {key: o for key, o in zip(store.keys, store.offsets)}
+    for key in foreign:
+        o = offsets[key]
+        staging[o:o + ex.arrived[key][1].numel()] += memory.get(key)
+    shard_sum = store.shard_sum
+    work = communicator.reduce_scatter_flat(shard_sum, staging, group=groups.intra, async_op=True)
+    assembled = time.perf_counter()
+    yield work
+
+    # -- stage 2: the owner's accumulator, top-k, the inter-node all-gather
+    resumed = time.perf_counter()
+    current, acc = store.current, store.spare
+    parked = [(s_start, n) for key, _, s_start, n in store.key_ranges() if key in ex.parked]
+    torch.add(shard_sum, current, out=acc)
+    for s_start, n in parked:  # a parameter this rank did not use: its residual stays out
+        acc[s_start:s_start + n].copy_(shard_sum[s_start:s_start + n])
+    selecting = time.perf_counter()
+    values, indices = ex.selector.select(acc, k)
+    selected = time.perf_counter()
+    status = torch.logical_not(torch.isfinite(values)).any()
+    payload = communicator.pack_sparse(values, indices, nonfinite=status)
+    acc.index_fill_(0, indices, 0.0)  # what was sent leaves the residual
+    for s_start, n in parked:  # ... and the parked residual is kept on top of what is left
+        acc[s_start:s_start + n] += current[s_start:s_start + n]
+    if ex.measure_health:
+        ex.health[-1][1] = acc.square().sum()
+    gathered = payload.new_empty(N * payload.numel())
+    work = communicator.all_gather_flat(gathered, payload, group=groups.inter, async_op=True)
+    ex.topk_s += selected - selecting
+    ex.overhead_samples.append((numel, (assembled - started) + (selecting - resumed),
+                                time.perf_counter() - selected))
+    yield work
+
+    # -- stage 3: the intra-node all-gather of the N payloads; the write-back in its callback
+    everything = []
+
+    def start():
+        out = gathered.new_empty(L * gathered.numel())
+        everything.append(out)
+        work = communicator.all_gather_flat(out, gathered, group=groups.intra, async_op=True)
+        return work.get_future()
+
+    def finish():
+        _finish(ex, keys, store, segments, everything[0], k, numel, size, foreign)
+
+    ex._issue_registered(start, finish, record)
+
+
+def _finish(ex, keys, store, segments, gathered, k, numel, size, foreign):
+    """Unpack the ``L * N`` payloads (local-rank major, node minor), scatter-add them at
+    their shard's offset, average over the world size, write back, stage the residual."""
+    started = time.perf_counter()
+    topo = ex.topology
+    rows = topo.ranks_per_node * topo.nodes
+    values, indices, nonfinite_any = communicator.unpack_gathered(gathered, rows, k)
+    if nonfinite_any:
+        ex._mark_nonfinite()
+        for _, _, grad in segments:
+            grad.fill_(float("nan"))
+    else:
+        # row j came from local rank j // N: its indices are relative to that shard
+        shard = torch.arange(rows, device=indices.device).div_(topo.nodes, rounding_mode="floor")
+        indices = indices + (shard * size).unsqueeze(1)
+        # padding entries (past the group's end) carry value 0: clamp them onto a real one
+        indices = indices.clamp_(max=numel - 1).reshape(-1)
+        from .group_exchange import _scatter_average
+
+        _scatter_average(segments, indices, values.reshape(-1), 1.0 / ex.world_size, numel)
+    ex.memory.stage_shard(store)
+    for key in foreign:
+        ex.memory.stage(key, None)  # added before the reduce-scatter: now in the shard sums
+    if not nonfinite_any:
+        ex.writeback_samples.append((numel, time.perf_counter() - started))

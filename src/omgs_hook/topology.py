@@ -1,0 +1,142 @@
+"""Topology options of the hook: flat (every rank alike) or hierarchical (nodes of ranks).
+
+``resolve_topology`` is pure (no torch.distributed): it turns the options
+``topology="auto" | "flat" | "hierarchical"`` and ``ranks_per_node`` (default: torchrun's
+``LOCAL_WORLD_SIZE``) into a :class:`Topology` for a given world size and rank, or raises
+ValueError naming the option. Consecutive ranks form a node: with ``L`` ranks per node,
+rank ``r`` is local rank ``r % L`` of node ``r // L`` (torchrun numbers ranks so, per
+``GROUP_RANK``).
+
+``"auto"`` is hierarchical when there is more than one node and more than one rank per
+node, else flat. ``"hierarchical"`` asked for explicitly is also accepted with one node
+(the two-level exchange within a node: top-k of the node's summed gradient) or with one
+rank per node (the reduce-scatter and the final all-gather are then over one rank).
+
+``build_subgroups`` creates the two families of process groups the two-level exchange
+uses - one *intra-node* group per node (its L ranks) and one *inter-node* group per local
+rank (the N ranks with that local rank, one per node) - once, with every rank calling
+``torch.distributed.new_group`` for every subgroup in the same order (new_group must be
+called by all ranks of the parent group, also for groups they are not in).
+"""
+
+import dataclasses
+import os
+
+TOPOLOGIES = ("auto", "flat", "hierarchical")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    kind: str  # "flat" or "hierarchical"
+    ranks_per_node: int  # L (1 when unknown, for flat)
+    nodes: int  # N = world_size / L
+    rank: int
+    requested: str = "auto"
+
+    @property
+    def world_size(self):
+        return self.ranks_per_node * self.nodes
+
+    @property
+    def local_rank(self):
+        return self.rank % self.ranks_per_node
+
+    @property
+    def node(self):
+        return self.rank // self.ranks_per_node
+
+    @property
+    def hierarchical(self):
+        return self.kind == "hierarchical"
+
+    def to_dict(self):
+        """Plain values (for ``stats()`` and ``state_dict()``)."""
+        return {"kind": self.kind, "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
+                "node": self.node, "local_rank": self.local_rank, "requested": self.requested}
+
+    def describe(self):
+        return f"{self.kind} {self.nodes}x{self.ranks_per_node}"
+
+
+def check_topology_option(topology):
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+    return topology
+
+
+def check_ranks_per_node_option(ranks_per_node):
+    if ranks_per_node is None:
+        return None
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}")
+    return ranks_per_node
+
+
+def resolve_topology(topology, ranks_per_node, world_size, rank, env=None):
+    """The :class:`Topology` for these options (see the module docstring).
+
+    ``env`` defaults to ``os.environ`` (``LOCAL_WORLD_SIZE`` gives the default
+    ``ranks_per_node``). Raises ValueError naming ``topology`` or ``ranks_per_node``."""
+    check_topology_option(topology)
+    check_ranks_per_node_option(ranks_per_node)
+    env = os.environ if env is None else env
+    source = "ranks_per_node"
+    if ranks_per_node is None:
+        raw = env.get("LOCAL_WORLD_SIZE")
+        if raw is not None:
+            try:
+                ranks_per_node = int(raw)
+            except ValueError:
+                raise ValueError(f"ranks_per_node: LOCAL_WORLD_SIZE={raw!r} is not an integer") from None
+            if ranks_per_node < 1:
+                raise ValueError(f"ranks_per_node: LOCAL_WORLD_SIZE={raw!r} is not positive")
+            source = "ranks_per_node (from LOCAL_WORLD_SIZE)"
+    if ranks_per_node is None:
+        if topology == "hierarchical":
+            raise ValueError("ranks_per_node: topology='hierarchical' needs ranks_per_node "
+                             "(or torchrun's LOCAL_WORLD_SIZE)")
+        return Topology("flat", 1, world_size, rank, topology)
+    if ranks_per_node > world_size or world_size % ranks_per_node:
+        raise ValueError(f"{source}={ranks_per_node} does not divide the world size {world_size} "
+                         "(every node must have the same number of ranks)")
+    nodes = world_size // ranks_per_node
+    if topology == "auto":
+        kind = "hierarchical" if nodes > 1 and ranks_per_node > 1 else "flat"
+    else:
+        kind = topology
+    return Topology(kind, ranks_per_node, nodes, rank, topology)
+
+
+@dataclasses.dataclass
+class Subgroups:
+    """This rank's intra-node group (its node's L ranks, in local-rank order) and
+    inter-node group (the N ranks of its local rank, in node order)."""
+
+    intra: object
+    inter: object
+
+
+def build_subgroups(topo, process_group=None):
+    """Create every intra- and inter-node group (collective over ``process_group``: every
+    rank calls this, in the same order) and return this rank's :class:`Subgroups`."""
+    import torch.distributed as dist
+
+    L, N = topo.ranks_per_node, topo.nodes
+
+    def global_rank(r):
+        if process_group is None:
+            return r
+        return dist.get_global_rank(process_group, r)
+
+    intra = inter = None
+    for node in range(N):  # every rank creates every group, in this order
+        ranks = [global_rank(node * L + l) for l in range(L)]
+        group = dist.new_group(ranks)
+        if node == topo.node:
+            intra = group
+    for local in range(L):
+        ranks = [global_rank(node * L + local) for node in range(N)]
+        group = dist.new_group(ranks)
+        if local == topo.local_rank:
+            inter = group
+    return Subgroups(intra=intra, inter=inter)

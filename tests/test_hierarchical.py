@@ -1,0 +1,438 @@
+"""The two-level (hierarchical) exchange on 2 nodes x 2 gloo ranks (4 processes).
+
+The expected gradients and residuals come from ``two_level_reference`` below, written
+from the algorithm's description (docs/hierarchical.md) and sharing nothing with the
+library: float64, a stable sort for top-k, each node's sum formed directly.
+"""
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import omgs_hook
+from ddp_harness import run_ranks
+from omgs_hook.topology import Topology, resolve_topology
+
+DENSITY = 0.05
+NODES, PER_NODE = 2, 2
+WORLD = NODES * PER_NODE
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 24)
+        self.b = nn.Linear(24, 24)
+        self.c = nn.Linear(24, 5)  # a bias of 5 elements: shards of 3 and 2 (+1 padding)
+
+    def forward(self, x, skip_b=False):
+        hidden = torch.relu(self.a(x))
+        if not skip_b:
+            hidden = torch.relu(self.b(hidden))
+        return self.c(hidden)
+
+
+def batch(step, rank, micro=0):
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(6, 12, generator=gen), torch.randn(6, 5, generator=gen)
+
+
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def flat_residuals(state):
+    return {k: v.reshape(-1).clone() for k, v in state.state_dict()["residuals"].items()}
+
+
+def gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def two_level_reference(local, old, groups, density, per_node, parked=()):
+    """local/old: per rank {name: flat tensor}; groups: [(names, dense)]. Returns the
+    averaged gradient {name: tensor} and each rank's new residual {name: tensor}."""
+    world = len(local)
+    nodes = world // per_node
+    avg, new = {}, [dict() for _ in range(world)]
+    for names, dense in groups:
+        sizes = [local[0][n].numel() for n in names]
+        numel = sum(sizes)
+
+        def cat(r, with_residual):
+            parts = []
+            for n in names:
+                g = local[r][n].double()
+                if with_residual and n not in parked and n in old[r]:
+                    g = g + old[r][n].double()
+                parts.append(g)
+            return torch.cat(parts)
+
+        if dense:
+            total = sum(cat(r, True) for r in range(world))
+            result = total / world
+            res = [torch.zeros(numel, dtype=torch.float64) for _ in range(world)]
+        else:
+            size = math.ceil(numel / per_node)
+            k = max(1, math.ceil(density * size))
+            total = torch.zeros(per_node * size, dtype=torch.float64)
+            res = [torch.zeros(per_node * size, dtype=torch.float64) for _ in range(world)]
+            parked_mask = torch.zeros(per_node * size, dtype=torch.bool)
+            offset = 0
+            for n, s in zip(names, sizes):
+                if n in parked:
+                    parked_mask[offset:offset + s] = True
+                offset += s
+            for node in range(nodes):
+                ranks = range(node * per_node, (node + 1) * per_node)
+                node_sum = torch.zeros(per_node * size, dtype=torch.float64)
+                for r in ranks:
+                    node_sum[:numel] += cat(r, True)
+                for l in range(per_node):
+                    piece = slice(l * size, (l + 1) * size)
+                    acc = node_sum[piece]
+                    top = torch.sort(acc.abs(), descending=True, stable=True).indices[:k]
+                    sent = torch.zeros_like(acc)
+                    sent[top] = acc[top]
+                    total[piece] += sent
+                    owner = node * per_node + l
+                    res[owner][piece] = acc - sent
+            for r in range(world):  # a parked parameter's residual stays where it was
+                held = torch.zeros(per_node * size, dtype=torch.float64)
+                held[:numel] = torch.cat([old[r].get(n, torch.zeros(s)).double()
+                                          for n, s in zip(names, sizes)])
+                res[r] = torch.where(parked_mask, held, res[r])[:numel]
+            result = total[:numel] / world
+        offset = 0
+        for n, s in zip(names, sizes):
+            avg[n] = result[offset:offset + s]
+            for r in range(world):
+                new[r][n] = res[r][offset:offset + s]
+            offset += s
+    return avg, new
+
+
+# ----------------------------------------------------------------------------- workers
+def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumulate=False,
+                     skip_b_on_odd_steps=False, env_local_world_size=None):
+    if env_local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(env_local_world_size)
+    torch.manual_seed(0)
+    model, reference_model = Net(), Net()
+    ddp = DDP(model, bucket_cap_mb=0, **ddp_options)
+    state = omgs_hook.register(ddp, density=DENSITY, **hook_options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    worst = {"grad": 0.0, "residual": 0.0, "conservation": 0.0, "parked_changed": 0}
+    per_step = []
+    for step in range(steps):
+        micro = [batch(step, rank, m) for m in range(2 if accumulate else 1)]
+        skip_b = skip_b_on_odd_steps and step % 2 == 1
+        reference_model.load_state_dict(model.state_dict())
+        reference_model.zero_grad()
+        for x, y in micro:
+            loss_fn(reference_model(x, skip_b), y).backward()
+        local = {n: (p.grad.reshape(-1).clone() if p.grad is not None else torch.zeros(p.numel()))
+                 for n, p in reference_model.named_parameters()}
+        old = flat_residuals(state)
+        all_local, all_old = gather(local), gather(old)
+        opt.zero_grad()
+        if accumulate:
+            with ddp.no_sync():
+                loss_fn(ddp(micro[0][0], skip_b), micro[0][1]).backward()
+        x, y = micro[-1]
+        loss_fn(ddp(x, skip_b), y).backward()
+        last = state.stats()["last"]
+        groups = list(zip(last["group_keys"], last["group_dense"]))
+        unused = {n for n, p in reference_model.named_parameters() if p.grad is None}
+        avg, new = two_level_reference(all_local, all_old, groups, last["step_density"],
+                                       PER_NODE, parked=unused)
+        got = flat_residuals(state)
+        for name, p in model.named_parameters():
+            if p.grad is None:  # unused on every rank: the residual is exactly kept
+                same = torch.equal(got.get(name, torch.zeros(p.numel())),
+                                   old.get(name, torch.zeros(p.numel())))
+                worst["parked_changed"] += not same
+                continue
+            worst["grad"] = max(worst["grad"], float((p.grad.reshape(-1) - avg[name]).abs().max()))
+            mine = got.get(name, torch.zeros(p.numel()))
+            worst["residual"] = max(worst["residual"],
+                                    float((mine - new[rank][name]).abs().max()))
+        # conservation with the hook's own outputs: sum(local + old) == W * avg + sum(new)
+        all_new = gather(got)
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            lhs = sum(all_local[r][name].double() + all_old[r].get(name, torch.zeros(p.numel()))
+                      for r in range(world_size))
+            rhs = world_size * p.grad.reshape(-1).double() + sum(
+                all_new[r].get(name, torch.zeros(p.numel())).double() for r in range(world_size))
+            worst["conservation"] = max(worst["conservation"], float((lhs - rhs).abs().max()))
+        per_step.append({"groups": len(groups), "dense": sum(d for _, d in groups),
+                         "inter": last["inter_node_bytes"], "intra": last["intra_node_bytes"],
+                         "numels": [sum(dict(model.named_parameters())[n].numel() for n in keys)
+                                    for keys, d in groups if not d],
+                         "residual_mass": sum(float(v.abs().sum()) for v in got.values())})
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    stats = state.stats()
+    summary = state.summary()
+    del ddp, state
+    gc.collect()
+    return {"worst": worst, "per_step": per_step, "stats": stats, "params": params,
+            "summary": summary}
+
+
+def resume_worker(rank, world_size, ckpt_dir, first, second):
+    options = {"density": DENSITY, "strategy": "layerwise", "warmup_steps": 1,
+               "allow_dense": False, "select": "model", "topology": "hierarchical",
+               "ranks_per_node": PER_NODE}
+
+    def build(**extra):
+        torch.manual_seed(0)
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=0)
+        state = omgs_hook.register(ddp, **dict(options, **extra))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return model, ddp, state, opt
+
+    def train(ddp, opt, start, stop):
+        for step in range(start, stop):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            loss_fn(ddp(x), y).backward()
+            opt.step()
+
+    model, ddp, state, opt = build()
+    train(ddp, opt, 0, first)
+    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
+               path)
+    train(ddp, opt, first, first + second)
+    uninterrupted = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    del ddp, state, model, opt
+    gc.collect()
+
+    model, ddp, state, opt = build()
+    ckpt = torch.load(path, weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["hook"])
+    train(ddp, opt, first, first + second)
+    resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    del ddp, state
+    gc.collect()
+
+    # another topology on resume: an error naming it, or a reset when asked for
+    outcomes = {}
+    for policy in ("error", "reset"):
+        _, ddp, state, _ = build(topology="flat", on_world_size_change=policy)
+        try:
+            state.load_state_dict(ckpt["hook"])
+            outcomes[policy] = ("loaded", state.memory.total_norm())
+        except ValueError as exc:
+            outcomes[policy] = ("error", str(exc))
+        del ddp, state
+        gc.collect()
+    saved = ckpt["hook"]["residuals"]
+    return {"identical": torch.equal(uninterrupted, resumed),
+            "max_diff": float((uninterrupted - resumed).abs().max()),
+            "saved_shapes": {k: tuple(v.shape) for k, v in saved.items()},
+            "saved_nonzero": {k: int((v != 0).sum()) for k, v in saved.items()},
+            "saved_topology": ckpt["hook"]["topology"], "outcomes": outcomes}
+
+
+def bytes_and_faults_worker(rank, world_size):
+    """Inter-node bytes of flat against two-level on the same pinned plan; a non-finite
+    step; options that do not fit the world."""
+    out = {}
+    for topology in ("flat", "hierarchical"):
+        torch.manual_seed(0)
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=0)
+        state = omgs_hook.register(ddp, density=DENSITY, strategy="single", warmup_steps=1,
+                                   allow_dense=False, select="model", topology=topology,
+                                   ranks_per_node=PER_NODE)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        log = []
+        for step in range(4):
+            x, y = batch(step, rank)
+            if step == 2 and rank == 3:
+                x[0, 0] = float("inf")
+            before = flat_residuals(state)
+            opt.zero_grad()
+            loss_fn(ddp(x), y).backward()
+            after = flat_residuals(state)
+            log.append({
+                "nonfinite": state.stats()["last"]["nonfinite"],
+                "grads_finite": all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()),
+                "residual_unchanged": before.keys() == after.keys() and all(
+                    torch.equal(before[k], after[k]) for k in before),
+            })
+            if step != 2:
+                opt.step()
+        stats = state.stats()
+        out[topology] = {"last": stats["last"], "topology": stats["topology"], "log": log,
+                         "line": state.summary_line()}
+        del ddp, state
+        gc.collect()
+    errors = {}
+    for name, options in {"not dividing": {"ranks_per_node": 3},
+                          "unknown topology": {"topology": "ring"},
+                          "bad ranks_per_node": {"ranks_per_node": 0}}.items():
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=0)
+        try:
+            omgs_hook.register(ddp, density=DENSITY, **options)
+            errors[name] = "no error"
+        except ValueError as exc:
+            errors[name] = str(exc)
+        del ddp
+        gc.collect()
+    out["errors"] = errors
+    return out
+
+
+# ----------------------------------------------------------------------------- tests
+def test_auto_resolution_is_pure_and_names_the_option():
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    assert resolve_topology("auto", None, 4, 3, env) == Topology("hierarchical", 2, 2, 3, "auto")
+    assert resolve_topology("auto", None, 2, 0, env).kind == "flat"  # one node
+    assert resolve_topology("auto", 1, 4, 0, env).kind == "flat"  # one rank per node
+    assert resolve_topology("auto", None, 4, 0, {}).kind == "flat"  # nothing known
+    assert resolve_topology("flat", None, 4, 0, env).kind == "flat"
+    topo = resolve_topology("hierarchical", 4, 8, 6, {})
+    assert (topo.nodes, topo.node, topo.local_rank) == (2, 1, 2)
+    assert resolve_topology("hierarchical", 2, 2, 1, {}).nodes == 1  # one node: allowed
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        resolve_topology("hierarchical", None, 4, 0, {})
+    with pytest.raises(ValueError, match="ranks_per_node.*divide"):
+        resolve_topology("auto", 3, 4, 0, {})
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        resolve_topology("auto", None, 4, 0, {"LOCAL_WORLD_SIZE": "3"})
+    with pytest.raises(ValueError, match="topology"):
+        resolve_topology("tree", None, 4, 0, {})
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        omgs_hook.OMGSState(ranks_per_node=-1)
+    with pytest.raises(ValueError, match="topology"):
+        omgs_hook.OMGSState(topology="Hierarchical")
+    with pytest.raises(ValueError, match="track_staleness"):
+        omgs_hook.OMGSState(topology="hierarchical", track_staleness=True)
+
+
+def _check_reference(results):
+    for r in results:
+        assert r["worst"]["grad"] < 1e-6, r["worst"]
+        assert r["worst"]["residual"] < 1e-6, r["worst"]
+        assert r["worst"]["conservation"] < 1e-5, r["worst"]
+        assert r["worst"]["parked_changed"] == 0, r["worst"]
+        assert torch.equal(r["params"], results[0]["params"])  # every rank agrees
+        assert r["stats"]["topology"]["kind"] == "hierarchical"
+    assert [r["stats"]["topology"]["local_rank"] for r in results] == [0, 1, 0, 1]
+    assert [r["stats"]["topology"]["node"] for r in results] == [0, 0, 1, 1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_two_level_matches_reference_across_plan_changes():
+    # topology="auto" with torchrun's LOCAL_WORLD_SIZE; the measured selection switches
+    # plans between steps (shard boundaries move, residuals migrate)
+    results = run_ranks("test_hierarchical", "reference_worker", world_size=WORLD, timeout=130,
+                        hook_options={"strategy": "optimal", "warmup_steps": 1},
+                        ddp_options={"gradient_as_bucket_view": True}, steps=9,
+                        env_local_world_size=PER_NODE)
+    _check_reference(results)
+    steps = results[0]["per_step"]
+    assert steps[0]["inter"] > 0 and steps[0]["groups"] == steps[0]["dense"]  # the warm-up
+    sparse_steps = [s for s in steps if s["dense"] < s["groups"]]
+    assert sparse_steps, steps
+    assert max(s["residual_mass"] for s in steps) > 0
+    for s in sparse_steps:
+        if s["dense"] == 0:  # only two-level groups: (N-1) * payload(k) for each
+            expected = sum((NODES - 1) * 4 * (2 * max(1, math.ceil(DENSITY * -(-n // PER_NODE))) + 1)
+                           for n in s["numels"])
+            assert s["inter"] == expected, s
+    assert "topology hierarchical 2x2" in results[0]["summary"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_two_level_find_unused_parameters_and_no_sync():
+    results = run_ranks("test_hierarchical", "reference_worker", world_size=WORLD, timeout=130,
+                        hook_options={"strategy": "layerwise", "warmup_steps": 1,
+                                      "topology": "hierarchical", "ranks_per_node": PER_NODE},
+                        ddp_options={"find_unused_parameters": True}, steps=5, accumulate=True,
+                        skip_b_on_odd_steps=True)
+    _check_reference(results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_two_level_resume_is_bit_exact_and_topology_is_checked(tmp_path):
+    results = run_ranks("test_hierarchical", "resume_worker", world_size=WORLD, timeout=130,
+                        ckpt_dir=str(tmp_path), first=5, second=3)
+    shapes = dict((n, tuple(p.shape)) for n, p in Net().named_parameters())
+    for r in results:
+        assert r["identical"], r["max_diff"]
+        assert r["saved_topology"] == {"kind": "hierarchical", "nodes": 2, "ranks_per_node": 2}
+        assert r["saved_shapes"] == shapes  # full-shaped, per rank
+        # zeros outside the shard: each rank holds at most its shard of each group (about
+        # half of the gradient; the groups are at most the 6 parameters)
+        total = sum(math.prod(s) for s in shapes.values())
+        assert 0 < sum(r["saved_nonzero"].values()) <= total // PER_NODE + 6, r["saved_nonzero"]
+        kind, text = r["outcomes"]["error"]
+        assert kind == "error" and "topology" in text and "reset" in text, text
+        assert r["outcomes"]["reset"] == ("loaded", 0.0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_inter_node_bytes_nonfinite_step_and_bad_options():
+    results = run_ranks("test_hierarchical", "bytes_and_faults_worker", world_size=WORLD,
+                        timeout=130)
+    numel = sum(p.numel() for p in Net().parameters())
+    payload_flat = 4 * (2 * math.ceil(DENSITY * numel) + 1)
+    shard = -(-numel // PER_NODE)
+    payload_two = 4 * (2 * math.ceil(DENSITY * shard) + 1)
+    for r in results:
+        flat, two = r["flat"], r["hierarchical"]
+        assert flat["topology"]["kind"] == "flat" and two["topology"]["kind"] == "hierarchical"
+        # flat: the payload goes to each of the 2 ranks on the other node
+        assert flat["last"]["inter_node_bytes"] == payload_flat * (WORLD - PER_NODE)
+        assert flat["last"]["intra_node_bytes"] == payload_flat * (PER_NODE - 1)
+        # two-level: its own all-gather goes to the 1 other node
+        assert two["last"]["inter_node_bytes"] == payload_two * (NODES - 1)
+        assert two["last"]["intra_node_bytes"] == (PER_NODE - 1) * 4 * shard + (
+            PER_NODE - 1) * NODES * payload_two
+        assert "topology hierarchical 2x2 inter-node" in two["line"]
+        for topology in ("flat", "hierarchical"):
+            log = r[topology]["log"]
+            bad = log[2]
+            assert bad["nonfinite"] and not bad["grads_finite"] and bad["residual_unchanged"], bad
+            for entry in log[:2] + log[3:]:
+                assert entry["grads_finite"] and not entry["nonfinite"], entry
+            assert not log[3]["residual_unchanged"]
+        errors = r["errors"]
+        assert "ranks_per_node=3 does not divide the world size 4" in errors["not dividing"]
+        assert "topology must be one of" in errors["unknown topology"]
+        assert "ranks_per_node must be a positive integer" in errors["bad ranks_per_node"]
+
+
+def test_train_script_passes_topology_options():
+    from script_loader import load_script
+
+    train = load_script("train")
+    options = train.hook_options(train.parse_args(["--hook", "omgs"]))
+    assert "topology" not in options and "ranks_per_node" not in options  # the library's "auto"
+    args = train.parse_args(["--hook", "omgs", "--topology", "hierarchical", "--ranks-per-node", "2"])
+    options = train.hook_options(args)
+    assert options["topology"] == "hierarchical" and options["ranks_per_node"] == 2
+    with pytest.raises(SystemExit):
+        train.parse_args(["--hook", "allreduce", "--topology", "flat"])
