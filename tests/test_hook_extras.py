@@ -116,3 +116,42 @@ def test_bad_extra_options_name_the_option():
         omgs_hook.OMGSState(track_staleness="yes")
     state = omgs_hook.OMGSState()
     assert state.local_clip_norm is None and state.track_staleness is False
+
+
+def eval_forward_worker(rank, world_size):
+    import time
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=0.05, strategy="single", allow_dense=False,
+                               select="model", warmup_steps=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    measured = []
+    for step in range(4):
+        x, y = batch(step, rank)
+        loss = loss_fn(ddp(x), y)
+        time.sleep(0.2)  # a training step of at least 0.2 s
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # a quick evaluation of two batches after each step
+            model.eval()
+            model(x)
+            model(x)
+            model.train()
+        measured.append(state.stats()["measured_iteration_s"])
+    state.close()
+    del ddp
+    gc.collect()
+    return measured
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluation_forward_is_not_timed_as_an_iteration():
+    for measured in run_ranks("test_hook_extras", "eval_forward_worker", world_size=2,
+                              timeout=100):
+        # forward start to forward start of training steps (>= 0.2 s each); timing the
+        # evaluation's forwards would report the gap between its two batches (~ms)
+        later = [m for m in measured[1:] if m is not None]
+        assert later and all(m >= 0.2 for m in later), measured

@@ -496,11 +496,15 @@ class OMGSState:
         return key
 
     def _on_forward_pre(self, module, args):
-        self.meter.forward_started()
+        # a forward without autograd (an evaluation under no_grad) is not part of a
+        # training step: timing it would count the evaluation as an iteration
+        if torch.is_grad_enabled():
+            self.meter.forward_started()
 
     def _on_forward(self, module, args, output):
-        self.meter.forward_finished()
-        self._forward_end_wall = time.perf_counter()
+        if torch.is_grad_enabled():
+            self.meter.forward_finished()
+            self._forward_end_wall = time.perf_counter()
 
     @property
     def world_size(self):
