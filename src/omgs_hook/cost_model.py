@@ -48,6 +48,30 @@ all-reduce of its gradient: it then costs no top-k time (``c_j = c_{j-1} + B_j``
 fp32 gradients). Without ``dense`` every group is sparse and the formulas above are
 exact.
 
+Optional two-level (hierarchical) mode: when the instance carries ``hierarchy``
+(:class:`Hierarchy`: ``ranks_per_node`` L, and two link classes ``intra``/``inter``), the
+W ranks form N = W / L nodes and every *sparse* group runs the two-level exchange of
+``omgs_hook.hierarchical``: an intra-node reduce-scatter, the top-k of the rank's shard,
+a packed sparse all-gather among the N ranks with the same local rank, and an intra-node
+all-gather of those N payloads. With ``S(D) = ceil(D / L)`` (every shard has S elements,
+the last one padded) and ``k_h(D) = selected_k(S(D), density)``:
+
+* compute:  ``c_j = c_{j-1} + B_j + t_rs(D_j) + t_s(S(D_j))``, with the reduce-scatter
+  ``t_rs(D) = intra.alpha + intra.beta * value_bytes * S(D)`` (the hook waits for it on
+  its own thread before the shard's top-k, so it sits on the compute stream);
+* network:  ``e_j = max(e_{j-1}, c_j) + t_inter(D_j) + t_ag(D_j)``, with the sparse
+  all-gather ``t_inter(D) = inter.alpha + inter.beta * k_h(D) * (value_bytes + index_bytes)``
+  and the intra-node all-gather of the N payloads
+  ``t_ag(D) = intra.alpha + intra.beta * N * k_h(D) * (value_bytes + index_bytes)``.
+
+Both link classes are priced per byte *each rank contributes* (as ``comm``): for the
+reduce-scatter that is the rank's shard (``value_bytes * S``: the shard it receives and,
+in a ring, the volume it sends), for the all-gathers the payload it puts in. ``inter`` is
+fitted with all L local ranks running their all-gathers at once (they share the node's
+network link). Dense groups use the flat all-reduce over all W ranks (``dense``), exactly
+as the exchange does, so their cost terms do not change. :func:`relaxed_instance` gives
+the flat instance the planner searches for a hierarchical one (docs/cost-model.md).
+
 Instances are validated on construction; bad input raises :class:`InstanceError`, whose
 message starts with the offending field, e.g. ``layers[2].numel: must be a positive
 integer``.
@@ -65,14 +89,18 @@ __all__ = [
     "LinearCost",
     "TopkCost",
     "Unit",
+    "Hierarchy",
     "Instance",
     "Timeline",
+    "relaxed_instance",
+    "hierarchical_instance",
     "selected_k",
     "simulate",
     "Schedule",
     "schedule",
     "check_groups",
     "check_dense",
+    "step_inter_node_bytes",
 ]
 
 
@@ -227,6 +255,53 @@ class Unit:
         object.__setattr__(self, "backward_s", _number(self.backward_s, prefix + "backward_s"))
 
 
+@dataclass(frozen=True)
+class Hierarchy:
+    """Two-level topology of an instance: ``ranks_per_node`` consecutive ranks per node.
+
+    Fields:
+        ranks_per_node: L >= 2; the instance's ``world_size`` must be a multiple of it.
+        intra: cost of an intra-node collective (reduce-scatter, all-gather) among the
+            node's L ranks, per byte each rank contributes (fast links, e.g. NVLink).
+        inter: cost of the packed sparse all-gather among the ``world_size / L`` ranks
+            with the same local rank, per byte each rank contributes, measured while
+            all L local ranks of a node run theirs at the same time.
+    """
+
+    ranks_per_node: int
+    intra: LinearCost
+    inter: LinearCost
+
+    def __post_init__(self):
+        self._validate("hierarchy")
+
+    def _validate(self, field: str) -> None:
+        prefix = f"{field}." if field else ""
+        L = _positive_int(self.ranks_per_node, prefix + "ranks_per_node")
+        if L < 2:
+            raise InstanceError(prefix + "ranks_per_node",
+                                f"must be at least 2 (one rank per node is the flat model), "
+                                f"got {L}")
+        object.__setattr__(self, "ranks_per_node", L)
+        for name in ("intra", "inter"):
+            if not isinstance(getattr(self, name), LinearCost):
+                raise InstanceError(prefix + name, f"must be a LinearCost, got "
+                                                   f"{_describe(getattr(self, name))}")
+
+    def to_dict(self) -> dict:
+        return {"ranks_per_node": self.ranks_per_node, "intra": self.intra.to_dict(),
+                "inter": self.inter.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d, field: str = "hierarchy") -> "Hierarchy":
+        d = _mapping(d, field, ("ranks_per_node", "intra", "inter"))
+        return cls(
+            _positive_int(d["ranks_per_node"], field + ".ranks_per_node"),
+            LinearCost.from_dict(d["intra"], field + ".intra"),
+            LinearCost.from_dict(d["inter"], field + ".inter"),
+        )
+
+
 def selected_k(numel: int, density: float) -> int:
     """Entries a group of ``numel`` elements sends: ``max(1, ceil(density * numel))``.
 
@@ -254,6 +329,9 @@ class Instance:
             group dense where that is cheaper.
         tail_s: time from the end of the last collective to the next forward (DDP's
             finalisation, optimiser step, data); added to every plan's prediction.
+        hierarchy: optional :class:`Hierarchy`; when given, sparse groups use the
+            two-level timeline of the module docstring (``comm`` is then unused by the
+            timeline; it stays the flat all-gather cost, for comparison).
     """
 
     layers: Tuple[Unit, ...]
@@ -266,6 +344,7 @@ class Instance:
     index_bytes: int = 4
     dense: Optional[LinearCost] = None
     tail_s: float = 0.0
+    hierarchy: Optional[Hierarchy] = None
 
     def __post_init__(self):
         layers = self.layers
@@ -293,6 +372,15 @@ class Instance:
             raise InstanceError("dense", f"must be a LinearCost, got {_describe(self.dense)}")
         object.__setattr__(self, "value_bytes", _positive_int(self.value_bytes, "value_bytes"))
         object.__setattr__(self, "index_bytes", _positive_int(self.index_bytes, "index_bytes"))
+        if self.hierarchy is not None:
+            if not isinstance(self.hierarchy, Hierarchy):
+                raise InstanceError("hierarchy", f"must be a Hierarchy, got "
+                                                 f"{_describe(self.hierarchy)}")
+            L = self.hierarchy.ranks_per_node
+            if self.world_size % L:
+                raise InstanceError("hierarchy.ranks_per_node",
+                                    f"world_size {self.world_size} is not divisible by "
+                                    f"ranks_per_node {L}")
 
     # -- the three cost terms of one group of `numel` elements ---------------------------
 
@@ -311,6 +399,72 @@ class Instance:
             raise InstanceError("dense", "this instance has no dense cost")
         return self.dense.time(self.value_bytes * numel)
 
+    # -- the two-level terms (need ``hierarchy``) -----------------------------------------
+
+    def _hierarchy(self) -> Hierarchy:
+        if self.hierarchy is None:
+            raise InstanceError("hierarchy", "this instance has no hierarchy")
+        return self.hierarchy
+
+    @property
+    def nodes(self) -> int:
+        """N = world_size / ranks_per_node (1 rank per node without a hierarchy)."""
+        if self.hierarchy is None:
+            return self.world_size
+        return self.world_size // self.hierarchy.ranks_per_node
+
+    def shard_numel(self, numel: int) -> int:
+        """``S(D) = ceil(D / L)``: elements of each rank's shard of a group."""
+        L = self._hierarchy().ranks_per_node
+        return -(-int(numel) // L)
+
+    def shard_k(self, numel: int) -> int:
+        """``k_h(D) = selected_k(S(D), density)``: entries each rank's shard sends."""
+        return selected_k(self.shard_numel(numel), self.density)
+
+    def reduce_scatter_time(self, numel: int) -> float:
+        """``t_rs(D)``: the intra-node reduce-scatter of a group (shard bytes)."""
+        h = self._hierarchy()
+        return h.intra.time(self.value_bytes * self.shard_numel(numel))
+
+    def hierarchical_compute_time(self, numel: int) -> float:
+        """``t_rs(D) + t_s(S(D))``: a two-level sparse group's work on the compute stream."""
+        return self.reduce_scatter_time(numel) + self.topk.time(self.shard_numel(numel))
+
+    def inter_allgather_time(self, numel: int) -> float:
+        """``t_inter(D)``: the sparse all-gather among the nodes."""
+        h = self._hierarchy()
+        return h.inter.time(self.shard_k(numel) * (self.value_bytes + self.index_bytes))
+
+    def intra_allgather_time(self, numel: int) -> float:
+        """``t_ag(D)``: the intra-node all-gather of the N gathered payloads."""
+        h = self._hierarchy()
+        return h.intra.time(
+            self.nodes * self.shard_k(numel) * (self.value_bytes + self.index_bytes))
+
+    def hierarchical_comm_time(self, numel: int) -> float:
+        """``t_inter(D) + t_ag(D)``: a two-level sparse group's time on the network."""
+        return self.inter_allgather_time(numel) + self.intra_allgather_time(numel)
+
+    def inter_node_bytes(self, numel: int, dense: bool = False,
+                         ranks_per_node: Optional[int] = None) -> int:
+        """Bytes one rank sends to ranks on other nodes for one group, by the algorithm's
+        own count (the ``stats()["last"]["inter_node_bytes"]`` of issue 12, without the
+        4-byte status word): two-level sparse ``(N - 1) * k_h(D) * entry``; flat sparse
+        ``(W - L) * k(D) * entry`` (its payload goes to every rank on another node), with
+        ``L = ranks_per_node`` (default: the hierarchy's, else 1). Dense groups: what a
+        rank sends in a ring all-reduce, ``2 (W - 1) / W * value_bytes * D`` (an upper
+        bound: not every ring link leaves the node)."""
+        entry = self.value_bytes + self.index_bytes
+        W = self.world_size
+        if dense:
+            return int(round(2 * (W - 1) / W * self.value_bytes * numel))
+        if self.hierarchy is None:
+            L = 1 if ranks_per_node is None else _positive_int(ranks_per_node,
+                                                                "ranks_per_node")
+            return (W - L) * selected_k(numel, self.density) * entry
+        return (self.nodes - 1) * self.shard_k(numel) * entry
+
     @property
     def num_units(self) -> int:
         return len(self.layers)
@@ -318,7 +472,7 @@ class Instance:
     # -- JSON form ------------------------------------------------------------------------
 
     _KEYS = ("layers", "world_size", "density", "forward_s", "comm", "topk")
-    _OPTIONAL = ("value_bytes", "index_bytes", "dense", "tail_s")
+    _OPTIONAL = ("value_bytes", "index_bytes", "dense", "tail_s", "hierarchy")
 
     @classmethod
     def from_dict(cls, d) -> "Instance":
@@ -345,6 +499,7 @@ class Instance:
             )
         _mapping(d, "", cls._KEYS, cls._OPTIONAL)
         dense = d.get("dense")
+        hierarchy = d.get("hierarchy")
         return cls(
             layers=tuple(layers),
             world_size=_positive_int(d["world_size"], "world_size"),
@@ -356,6 +511,7 @@ class Instance:
             index_bytes=_positive_int(d.get("index_bytes", 4), "index_bytes"),
             dense=None if dense is None else LinearCost.from_dict(dense, "dense"),
             tail_s=_number(d.get("tail_s", 0.0), "tail_s"),
+            hierarchy=None if hierarchy is None else Hierarchy.from_dict(hierarchy),
         )
 
     def to_dict(self) -> dict:
@@ -373,6 +529,8 @@ class Instance:
             d["dense"] = self.dense.to_dict()
         if self.tail_s:
             d["tail_s"] = self.tail_s
+        if self.hierarchy is not None:
+            d["hierarchy"] = self.hierarchy.to_dict()
         return d
 
 
@@ -470,6 +628,7 @@ def simulate(inst: Instance, groups, dense=None) -> Timeline:
     """
     groups = check_groups(groups, inst.num_units)
     flags = check_dense(dense, inst, len(groups))
+    hierarchical = inst.hierarchy is not None
     compute = 0.0
     network = 0.0
     backward_total = 0.0
@@ -483,6 +642,9 @@ def simulate(inst: Instance, groups, dense=None) -> Timeline:
         if is_dense:
             compute += backward
             network = max(network, compute) + inst.dense_comm_time(numel)
+        elif hierarchical:
+            compute += backward + inst.hierarchical_compute_time(numel)
+            network = max(network, compute) + inst.hierarchical_comm_time(numel)
         else:
             compute += backward + inst.topk_time(numel)
             network = max(network, compute) + inst.sparse_comm_time(numel)
@@ -499,8 +661,10 @@ class Schedule:
     """Every interval of one plan's timeline (seconds from the start of the forward pass).
 
     ``backward``: per unit ``(start, end)``; ``selection``: per group ``(start, end)`` of
-    its top-k and the hook's own work on the compute stream (empty for a dense group);
-    ``network``: per group ``(start, end)`` of its collective; ``dense``: per group flag;
+    its top-k and the hook's own work on the compute stream (empty for a dense group;
+    with a hierarchy: the reduce-scatter and the shard's top-k);
+    ``network``: per group ``(start, end)`` of its collective (with a hierarchy: the
+    inter-node and then the intra-node all-gather); ``dense``: per group flag;
     ``forward`` and ``tail``: ``(start, end)``. The ends agree with :func:`simulate`
     (``tail[1] == predicted_iteration_s``). Used to draw the timeline.
     """
@@ -531,6 +695,11 @@ def schedule(inst: Instance, groups, dense=None) -> Schedule:
         if is_dense:
             selection.append((origin + compute, origin + compute))
             duration = inst.dense_comm_time(numel)
+        elif inst.hierarchy is not None:  # reduce-scatter + the shard's top-k
+            end = compute + inst.hierarchical_compute_time(numel)
+            selection.append((origin + compute, origin + end))
+            compute = end
+            duration = inst.hierarchical_comm_time(numel)
         else:
             end = compute + inst.topk_time(numel)
             selection.append((origin + compute, origin + end))
@@ -543,3 +712,103 @@ def schedule(inst: Instance, groups, dense=None) -> Schedule:
     return Schedule(forward=(0.0, origin), backward=tuple(backward), selection=tuple(selection),
                     network=tuple(comm), groups=groups, dense=tuple(flags),
                     tail=(end, end + inst.tail_s))
+
+
+def step_inter_node_bytes(inst: Instance, groups, dense=None,
+                          ranks_per_node: Optional[int] = None) -> int:
+    """Inter-node bytes one rank sends per step for a plan: the sum of
+    :meth:`Instance.inter_node_bytes` over its groups."""
+    groups = check_groups(groups, inst.num_units)
+    flags = check_dense(dense, inst, len(groups))
+    total = 0
+    for group, is_dense in zip(groups, flags):
+        numel = sum(inst.layers[u].numel for u in group)
+        total += inst.inter_node_bytes(numel, dense=is_dense, ranks_per_node=ranks_per_node)
+    return total
+
+
+# ---------------------------------------------------------------------------
+# two-level instances: construction and the relaxation the planner searches
+
+
+def hierarchical_instance(flat: Instance, ranks_per_node: int, intra: LinearCost,
+                          inter: LinearCost) -> Instance:
+    """``flat`` with a :class:`Hierarchy` added (the same units, top-k, density, dense
+    all-reduce and ``comm``; the sparse groups then follow the two-level timeline).
+
+    ``intra``: the intra-node collective cost per contributed byte; ``inter``: the
+    inter-node sparse all-gather among the ``world_size / ranks_per_node`` ranks with the
+    same local rank, per contributed byte (with all local ranks exchanging at once).
+    Raises :class:`InstanceError` (``hierarchy.*``) for bad values.
+    """
+    if not isinstance(flat, Instance):
+        raise TypeError(f"hierarchical_instance expects an Instance, got {type(flat).__name__}")
+    return _replace(flat, hierarchy=Hierarchy(ranks_per_node, intra, inter))
+
+
+def _replace(inst: Instance, **changes) -> Instance:
+    fields = dict(layers=inst.layers, world_size=inst.world_size, density=inst.density,
+                  forward_s=inst.forward_s, comm=inst.comm, topk=inst.topk,
+                  value_bytes=inst.value_bytes, index_bytes=inst.index_bytes,
+                  dense=inst.dense, tail_s=inst.tail_s, hierarchy=inst.hierarchy)
+    fields.update(changes)
+    return Instance(**fields)
+
+
+def _unchecked_topk(c0: float, c1: float, c2: float) -> TopkCost:
+    """A TopkCost whose ``c1`` may be negative (only :func:`relaxed_instance` makes one:
+    its ``c0 + c1 D + c2 D log2 D`` is still non-negative and non-decreasing for every
+    group size it is used on)."""
+    cost = object.__new__(TopkCost)
+    for name, value in (("c0", c0), ("c1", c1), ("c2", c2)):
+        object.__setattr__(cost, name, float(value))
+    return cost
+
+
+# k of the relaxation is computed from density / L shrunk by this factor, so that float
+# rounding of (density / L) * D can never make it exceed selected_k(ceil(D / L), density)
+_RELAXED_DENSITY_SHRINK = 1.0 - 1e-12
+
+
+def relaxed_instance(inst: Instance) -> Instance:
+    """The flat instance whose group costs are lower bounds of a two-level instance's.
+
+    With L ranks per node, N nodes, ``rs = intra.beta * value_bytes`` (reduce-scatter per
+    shard element) and shards of the real size ``D / L`` instead of ``ceil(D / L)``:
+
+    * top-k: ``t_rs(D) + t_s(D/L) = c0' + c1' D + c2' D log2 D`` with
+      ``c0' = c0 + intra.alpha``, ``c2' = c2 / L`` and
+      ``c1' = (c1 + rs) / L - c2 log2(L) / L`` (may be negative; the sum is not). When
+      some unit has fewer than L elements, ``c2' = 0`` and ``c1' = (c1 + rs) / L``
+      instead, so that the cost stays non-decreasing in D (``x log x`` falls below x = 1/e);
+    * all-gathers: ``alpha' = inter.alpha + intra.alpha``, ``beta' = inter.beta + N *
+      intra.beta`` per byte, ``density' = density / L`` (times ``1 - 1e-12`` against float
+      rounding), so ``k' = max(1, ceil(density' D)) <= k_h(D)``.
+
+    Every group's compute and network terms of the relaxation are at most the exact
+    two-level ones (``ceil(D/L) >= D/L``, the cost is non-decreasing in the shard size),
+    and the timeline is non-decreasing in every term, so the relaxation's optimum is a
+    lower bound of the exact optimum. When every unit's ``numel`` is a multiple of L
+    (so every group's is), the two agree up to float rounding (and a ``k`` whose
+    ``density * S`` lies within 1e-12 of an integer) and the relaxation's optimum is the
+    exact one. The relaxation has the form the planner's exact searches assume (``c2' >=
+    0``; non-decreasing, convex top-k cost; non-decreasing ``k'``). Dense groups keep
+    ``dense`` unchanged. ``comm`` and ``topk`` of the result are the relaxed ones, the
+    result has no hierarchy. A flat instance is returned as it is.
+    """
+    h = inst.hierarchy
+    if h is None:
+        return inst
+    L = h.ranks_per_node
+    N = inst.world_size // L
+    c1_shard = inst.topk.c1 + h.intra.beta_s_per_byte * inst.value_bytes
+    c0 = inst.topk.c0 + h.intra.alpha_s
+    if min(u.numel for u in inst.layers) >= L:
+        topk = _unchecked_topk(c0, c1_shard / L - inst.topk.c2 * math.log2(L) / L,
+                               inst.topk.c2 / L)
+    else:
+        topk = TopkCost(c0, c1_shard / L, 0.0)
+    comm = LinearCost(h.inter.alpha_s + h.intra.alpha_s,
+                      h.inter.beta_s_per_byte + N * h.intra.beta_s_per_byte)
+    return _replace(inst, topk=topk, comm=comm,
+                    density=inst.density / L * _RELAXED_DENSITY_SHRINK, hierarchy=None)

@@ -42,6 +42,18 @@ minutes to search exhaustively), :data:`SEARCH_BUDGET` stops a search that has n
 finished; ``optimal`` then returns the best plan found and emits
 :class:`SearchBudgetWarning`.
 
+Two-level instances (``inst.hierarchy``, see :mod:`omgs_hook.cost_model`): the searches
+run on :func:`~omgs_hook.cost_model.relaxed_instance`, a flat instance whose per-group
+costs are lower bounds of the exact two-level ones (shards of ``D / L`` instead of
+``ceil(D / L)`` elements) and equal to them when every unit's ``numel`` is a multiple of
+the ranks per node. ``optimal`` takes the relaxation's optimal groups, the greedy, single
+and layer-wise groups (up to 4096 units), gives each the exactly best modes for the
+two-level timeline, and returns the one with the least exact time (:func:`_hierarchical_plan`).
+Hence: where the relaxation is exact (all ``numel`` multiples of L) ``optimal`` is the
+exact optimum (same exactness and valve as for flat instances); otherwise its exact time
+exceeds the optimum by at most its exact time minus :func:`relaxed_lower_bound`. Every
+reported time is the exact two-level :func:`~omgs_hook.cost_model.simulate`.
+
 Determinism: a plan depends only on the instance - no randomness, timing or object
 hashing - and ties are broken by fixed orders (stable sorts; among equal states the one
 generated first wins: earlier group start, sparse before dense), so every rank that
@@ -68,6 +80,7 @@ from omgs_hook.cost_model import (
     InstanceError,
     check_dense,
     check_groups,
+    relaxed_instance,
     simulate,
 )
 
@@ -83,6 +96,7 @@ __all__ = [
     "SearchBudgetWarning",
     "SEARCH_BUDGET",
     "EXACT_UNITS",
+    "relaxed_lower_bound",
 ]
 
 STRATEGIES = ("optimal", "greedy", "layerwise", "single", "threshold:BYTES")
@@ -174,6 +188,8 @@ def make_plan(inst: Instance, strategy: str = "optimal") -> Plan:
     if not isinstance(inst, Instance):
         raise TypeError(f"make_plan expects an Instance, got {type(inst).__name__}")
     strategy = parse_strategy(strategy)
+    if inst.hierarchy is not None:
+        return _hierarchical_plan(inst, strategy)
     num_units = inst.num_units
     if strategy == "optimal":
         prefix_sums = _prefix_sums(inst)
@@ -332,9 +348,101 @@ def best_modes(inst: Instance, groups) -> Tuple[bool, ...]:
     groups = check_groups(groups, inst.num_units)
     if inst.dense is None:
         return (False,) * len(groups)
+    if inst.hierarchy is not None:
+        return _exact_modes(inst, groups)
     bounds = np.cumsum([len(g) for g in groups])
     _, modes = _search(inst, _prefix_sums(inst), [bounds], boundaries=bounds)
     return modes
+
+
+# ---------------------------------------------------------------------------
+# two-level instances
+
+
+def relaxed_lower_bound(inst: Instance) -> float:
+    """A lower bound of the least predicted iteration time of a two-level instance: the
+    optimum of :func:`~omgs_hook.cost_model.relaxed_instance` (whose group costs are at
+    most the exact ones). It is a proven bound when that search is exact (no dense cost,
+    at most :data:`EXACT_UNITS` units); it equals the exact optimum (up to rounding) when
+    every unit's ``numel`` is a multiple of the ranks per node. For a flat instance it is
+    ``make_plan(inst).predicted_iteration_s``."""
+    return make_plan(relaxed_instance(inst), "optimal").predicted_iteration_s
+
+
+def _hierarchical_plan(inst: Instance, strategy: str) -> Plan:
+    """Plan a two-level instance (see the module docstring)."""
+    relaxed = relaxed_instance(inst)
+    num_units = inst.num_units
+    if strategy != "optimal":
+        if strategy == "greedy":
+            groups = greedy_groups(relaxed)
+        elif strategy == "layerwise":
+            groups = tuple((u,) for u in range(num_units))
+        elif strategy == "single":
+            groups = (tuple(range(num_units)),)
+        else:
+            groups = threshold_groups(inst, int(strategy.split(":", 1)[1]))
+        return _finish(inst, strategy, groups, best_modes(inst, groups))
+    candidates = [make_plan(relaxed, "optimal").groups, greedy_groups(relaxed),
+                  (tuple(range(num_units)),)]
+    if num_units <= _LAYERWISE_BOUND_UNITS:
+        candidates.append(tuple((u,) for u in range(num_units)))
+    best = None
+    seen = set()
+    for groups in candidates:  # the relaxation's optimum first: it wins ties
+        if groups in seen:
+            continue
+        seen.add(groups)
+        plan = _finish(inst, strategy, groups, best_modes(inst, groups))
+        if best is None or plan.predicted_iteration_s < best.predicted_iteration_s:
+            best = plan
+    return best
+
+
+# Pareto states the exact mode search of a two-level instance keeps per group boundary
+# before it falls back to the best ones (SearchBudgetWarning).
+_MODE_STATES = 4096
+
+
+def _exact_modes(inst: Instance, groups) -> Tuple[bool, ...]:
+    """Best sparse/dense flags for fixed groups under the exact timeline (any instance):
+    a forward pass over Pareto fronts of ``(c, e)`` states, as in :class:`_FrontierSearch`
+    (both coordinates of an image grow with both of the state's), with the costs of
+    :func:`~omgs_hook.cost_model.simulate`. Ties prefer sparse and earlier states."""
+    front = [(0.0, 0.0, ())]
+    hierarchical = inst.hierarchy is not None
+    capped = False
+    for group in groups:
+        numel = sum(inst.layers[u].numel for u in group)
+        backward = sum(inst.layers[u].backward_s for u in group)
+        if hierarchical:
+            x_sparse = backward + inst.hierarchical_compute_time(numel)
+            y_sparse = inst.hierarchical_comm_time(numel)
+        else:
+            x_sparse = backward + inst.topk_time(numel)
+            y_sparse = inst.sparse_comm_time(numel)
+        y_dense = inst.dense_comm_time(numel)
+        images = []
+        for c, e, flags in front:
+            cs = c + x_sparse
+            images.append((cs, max(e, cs) + y_sparse, flags + (False,)))
+            cd = c + backward
+            images.append((cd, max(e, cd) + y_dense, flags + (True,)))
+        images.sort(key=lambda state: (state[0], state[1]))  # stable: sparse first
+        front = []
+        for state in images:
+            if not front or state[1] < front[-1][1]:
+                front.append(state)
+        if len(front) > _MODE_STATES:
+            capped = True
+            front = sorted(front, key=lambda state: state[1])[:_MODE_STATES]
+            front.sort(key=lambda state: state[0])
+    if capped:
+        warnings.warn(
+            f"omgs_hook planner: the exact mode search kept more than {_MODE_STATES} "
+            f"states per group; using the best modes among those kept (not proven optimal)",
+            SearchBudgetWarning, stacklevel=3)
+    return min(front, key=lambda state: state[1])[2]
 
 
 class SearchBudgetWarning(UserWarning):
