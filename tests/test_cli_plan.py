@@ -209,3 +209,56 @@ def test_module_entry_point_exit_status(tmp_path):
     )
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+# ------------------------------------------------------------------ two-level instances
+
+TWO_LEVEL = dict(INSTANCE, world_size=8, hierarchy={
+    "ranks_per_node": 4,
+    "intra": {"alpha_s": 1e-5, "beta_s_per_byte": 1e-11},
+    "inter": {"alpha_s": 1e-4, "beta_s_per_byte": 8.5e-9}})
+
+
+def test_two_level_instance(tmp_path, capsys):
+    from omgs_hook.cost_model import step_inter_node_bytes
+    from omgs_hook.planner import relaxed_lower_bound
+
+    status, out, err = run_main(capsys, [write(tmp_path, TWO_LEVEL)])
+    assert status == 0 and err == ""
+    result = json.loads(out)
+    assert set(result) == KEYS | {"inter_node_bytes", "lower_bound_s"}
+    inst = Instance.from_dict(TWO_LEVEL)
+    plan = make_plan(inst)
+    assert {k: result[k] for k in KEYS} == plan.to_dict(include_dense=False)
+    assert result["inter_node_bytes"] == step_inter_node_bytes(inst, plan.groups)
+    assert result["lower_bound_s"] == relaxed_lower_bound(inst)
+    assert result["lower_bound_s"] <= result["predicted_iteration_s"]
+    # the flat instance of the same numbers predicts something else
+    status, out, _ = run_main(capsys, [write(tmp_path, dict(INSTANCE, world_size=8))])
+    assert json.loads(out)["predicted_iteration_s"] != result["predicted_iteration_s"]
+
+
+@pytest.mark.parametrize("hierarchy, message", [
+    ({"ranks_per_node": 3, "intra": {"alpha_s": 0, "beta_s_per_byte": 0},
+      "inter": {"alpha_s": 0, "beta_s_per_byte": 0}},
+     "hierarchy.ranks_per_node: world_size 8 is not divisible by ranks_per_node 3"),
+    ({"ranks_per_node": 4, "intra": {"alpha_s": 0, "beta_s_per_byte": 0}},
+     "hierarchy.inter: missing"),
+])
+def test_bad_two_level_instance_exits_2(tmp_path, capsys, hierarchy, message):
+    status, out, err = run_main(capsys, [write(tmp_path, dict(TWO_LEVEL, hierarchy=hierarchy))])
+    assert status == 2 and out == ""
+    assert err.strip() == f"omgs-plan: error: {message}"
+
+
+def test_documented_two_level_example_plans(tmp_path, capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cost-model.md").read_text()
+    start = text.index("<!-- two-level example -->")
+    block = text[text.index("```json", start) + len("```json"):]
+    example = json.loads(block[: block.index("```")])
+    assert "hierarchy" in example
+    status, out, err = run_main(capsys, [write(tmp_path, example)])
+    assert status == 0 and err == ""
+    assert "inter_node_bytes" in json.loads(out)

@@ -12,7 +12,12 @@ list for a list)::
     {"strategy": "optimal", "groups": [[0, 1], [2]], "predicted_iteration_s": 0.0123,
      "non_overlapped_s": 0.0011}
 
-plus ``"dense": [false, true]`` when the instance has a ``dense`` cost. ``--plot FILE``
+plus ``"dense": [false, true]`` when the instance has a ``dense`` cost. A two-level
+instance (with ``"hierarchy": {"ranks_per_node": L, "intra": {...}, "inter": {...}}``,
+see docs/cost-model.md) is planned for the two-level timeline, and its result also has
+``"inter_node_bytes"`` (bytes one rank sends to other nodes per step, by the plan) and
+``"lower_bound_s"`` (:func:`omgs_hook.planner.relaxed_lower_bound`: no plan is faster
+where the search is exact). ``--plot FILE``
 (one instance only) also draws the plan's timeline - backward per unit, selection per
 group, the collectives - as a Gantt chart (:mod:`omgs_hook.timeline_plot`, needs
 matplotlib). The instance
@@ -35,8 +40,14 @@ import json
 import sys
 import warnings
 
-from omgs_hook.cost_model import Instance, InstanceError, schedule
-from omgs_hook.planner import STRATEGIES, SearchBudgetWarning, make_plan, parse_strategy
+from omgs_hook.cost_model import Instance, InstanceError, schedule, step_inter_node_bytes
+from omgs_hook.planner import (
+    STRATEGIES,
+    SearchBudgetWarning,
+    make_plan,
+    parse_strategy,
+    relaxed_lower_bound,
+)
 
 PROG = "omgs-plan"
 EXIT_USAGE = 2
@@ -138,8 +149,16 @@ def run(args: argparse.Namespace) -> object:
         planned = [_plan_one(data, strategy, "")]
     if args.plot:
         _plot(*planned[0], args.plot)
-    results = [plan.to_dict(include_dense=inst.dense is not None) for inst, plan in planned]
+    results = [_result(inst, plan) for inst, plan in planned]
     return results if isinstance(data, list) else results[0]
+
+
+def _result(inst, plan) -> dict:
+    result = plan.to_dict(include_dense=inst.dense is not None)
+    if inst.hierarchy is not None:
+        result["inter_node_bytes"] = step_inter_node_bytes(inst, plan.groups, plan.dense)
+        result["lower_bound_s"] = relaxed_lower_bound(inst)
+    return result
 
 
 def _plot(inst, plan, path):
