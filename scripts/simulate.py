@@ -36,9 +36,29 @@ V100-class GPU, stated rather than measured (no GPU was available), c2 = 0.
 
 Density 0.001 (the paper's). All numbers are predictions of the model, not measurements.
 
+Two-level topology (``--topology NxL``, issue 12): N nodes of L GPUs, NVLink-class links
+inside a node and one NIC per node (``--inter-gbit``, default 1 and 25 Gbit/s). It
+compares flat OMGS (one packed sparse all-gather among all W = N*L ranks) with the
+two-level exchange (intra-node reduce-scatter, top-k of the shard, sparse all-gather
+among the N ranks of the same local rank, intra-node all-gather), both planned by the
+optimal planner (``TopologyModel`` states the collective costs):
+
+* flat all-gather, m bytes per rank: a ring over the W ranks (node by node) has W-1
+  steps, and in every step one chunk crosses each node boundary, so the node's one NIC
+  carries W-1 chunks per all-gather - the L GPUs of a node *share* it; the intra-node
+  steps are far faster and hide under the NIC's. ``t = (W-1)*(alpha0 + beta0*m)``, the
+  ``NetworkModel.allgather(W)`` cost;
+* two-level inter-node all-gather, m bytes per rank: L rings of N ranks (one per local
+  rank) run at once through the same NIC, so each of their N-1 steps moves L chunks
+  through it: ``t = (N-1)*alpha0 + (N-1)*L*beta0*m``;
+* intra-node reduce-scatter / all-gather, m bytes per rank: ``alpha_i + (L-1)*m / bw_i``
+  (ring over L GPUs; defaults alpha_i = 10 us per collective, bw_i = 150 GB/s, see
+  docs/simulation.md).
+
 Usage::
 
     python scripts/simulate.py                               # print the tables
+    python scripts/simulate.py --topology 16x8 --update-doc docs/simulation.md
     python scripts/simulate.py --update-doc docs/simulation.md --plot docs/simulation.png
     python scripts/simulate.py --models vgg16 --world-sizes 4 16 --json out.json
 """
@@ -50,7 +70,16 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit, simulate
+from omgs_hook.cost_model import (
+    Instance,
+    LinearCost,
+    TopkCost,
+    Unit,
+    hierarchical_instance,
+    selected_k,
+    simulate,
+    step_inter_node_bytes,
+)
 
 MODEL_NAMES = ("resnet50", "vgg16", "inception_v3")
 SPARSE_STRATEGIES = ("optimal", "greedy", "layerwise", "single")
@@ -64,6 +93,12 @@ DDP_BUCKET_BYTES = 25 * 1024 * 1024
 GOODPUT_FRACTION = 1448 / 1538  # TCP payload per Ethernet frame on the wire (MTU 1500)
 DOC_BEGIN = "<!-- BEGIN simulate.py output -->"
 DOC_END = "<!-- END simulate.py output -->"
+TOPOLOGY_BEGIN = "<!-- BEGIN simulate.py topology output -->"
+TOPOLOGY_END = "<!-- END simulate.py topology output -->"
+DEFAULT_TOPOLOGY = (16, 8)
+DEFAULT_INTER_GBIT = (1.0, 25.0)
+INTRA_ALPHA_S = 10e-6
+INTRA_BANDWIDTH_BPS = 150e9  # bytes/s per GPU and direction (NCCL bus bandwidth, NVLink)
 
 
 class SimulationError(ValueError):
@@ -204,6 +239,154 @@ def ddp_bucket_groups(inst, bucket_bytes=DDP_BUCKET_BYTES):
         size += nbytes
     groups.append(current)
     return groups
+
+
+@dataclass(frozen=True)
+class TopologyModel:
+    """N nodes of L GPUs: NVLink-class links inside a node, one NIC per node (module
+    docstring). ``network`` models the NIC and the switch (per ring step)."""
+
+    nodes: int = DEFAULT_TOPOLOGY[0]
+    ranks_per_node: int = DEFAULT_TOPOLOGY[1]
+    network: NetworkModel = NetworkModel()
+    intra_alpha_s: float = INTRA_ALPHA_S
+    intra_bandwidth_Bps: float = INTRA_BANDWIDTH_BPS
+
+    def __post_init__(self):
+        for name in ("nodes", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise SimulationError(f"topology: {name} must be an integer >= 2, got "
+                                      f"{value!r}")
+        if not self.intra_alpha_s >= 0 or not self.intra_bandwidth_Bps > 0:
+            raise SimulationError("topology: intra-node alpha must be >= 0 and bandwidth > 0")
+
+    @property
+    def world_size(self):
+        return self.nodes * self.ranks_per_node
+
+    def flat_allgather(self):
+        """The flat all-gather among all W ranks: W-1 ring steps, each bound by the NIC."""
+        return self.network.allgather(self.world_size)
+
+    def inter_allgather(self):
+        """L concurrent all-gathers among N ranks sharing the NIC:
+        ``(N-1)*alpha0 + (N-1)*L*beta0`` per contributed byte."""
+        steps = self.nodes - 1
+        return LinearCost(steps * self.network.alpha0_s,
+                          steps * self.ranks_per_node * self.network.beta0_s_per_byte)
+
+    def intra_collective(self):
+        """Intra-node reduce-scatter / all-gather: ``alpha_i + (L-1)/bw_i`` per byte."""
+        return LinearCost(self.intra_alpha_s,
+                          (self.ranks_per_node - 1) / self.intra_bandwidth_Bps)
+
+
+def parse_topology(text):
+    """``"16x8"`` -> (16, 8)."""
+    try:
+        nodes, ranks = (int(part) for part in str(text).lower().split("x"))
+    except ValueError:
+        raise SimulationError(f"topology must be NODESxRANKS_PER_NODE (e.g. 16x8), got "
+                              f"{text!r}") from None
+    TopologyModel(nodes, ranks)  # validates
+    return nodes, ranks
+
+
+def build_topology_instances(profile, topology, density=DEFAULT_DENSITY, topk=DEFAULT_TOPK):
+    """(flat instance, two-level instance) of ``profile`` on ``topology``."""
+    flat = build_instance(profile, topology.world_size, density, topology.network, topk)
+    two_level = hierarchical_instance(flat, topology.ranks_per_node,
+                                      topology.intra_collective(), topology.inter_allgather())
+    return flat, two_level
+
+
+def simulate_topology(profile, topology, density=DEFAULT_DENSITY, topk=DEFAULT_TOPK):
+    """Flat vs two-level OMGS (both ``optimal``) for one model on one topology: a dict
+    with both iteration times, inter-node bytes per rank and step, group counts, the
+    speed-up, and the flat plan's all-gather time as a share of backward."""
+    from omgs_hook.planner import make_plan
+
+    flat, two_level = build_topology_instances(profile, topology, density, topk)
+    flat_plan = make_plan(flat, "optimal")
+    two_plan = make_plan(two_level, "optimal")
+    backward = sum(layer["backward_s"] for layer in profile["layers"])
+    allgather = sum(flat.sparse_comm_time(sum(flat.layers[u].numel for u in g))
+                    for g in flat_plan.groups)
+    return {
+        "model": profile["model"], "nodes": topology.nodes,
+        "ranks_per_node": topology.ranks_per_node,
+        "inter_gbit": topology.network.bandwidth_bps / 1e9,
+        "flat_s": flat_plan.predicted_iteration_s,
+        "hierarchical_s": two_plan.predicted_iteration_s,
+        "speedup": flat_plan.predicted_iteration_s / two_plan.predicted_iteration_s,
+        "flat_inter_node_bytes": step_inter_node_bytes(
+            flat, flat_plan.groups, ranks_per_node=topology.ranks_per_node),
+        "hierarchical_inter_node_bytes": step_inter_node_bytes(two_level, two_plan.groups),
+        "flat_nic_bytes": _nic_bytes(flat, flat_plan.groups, topology, two_level=False),
+        "hierarchical_nic_bytes": _nic_bytes(two_level, two_plan.groups, topology,
+                                             two_level=True),
+        "flat_groups": flat_plan.num_groups, "hierarchical_groups": two_plan.num_groups,
+        "flat_allgather_share_of_backward": allgather / backward,
+        "compute_s": profile["forward_s"] + backward,
+    }
+
+
+def _nic_bytes(inst, groups, topology, two_level):
+    """Bytes one node's NIC receives per step under the ring model of the module
+    docstring: flat ``(W-1) * payload``; two-level ``L * (N-1) * shard payload``."""
+    entry = inst.value_bytes + inst.index_bytes
+    total = 0
+    for group in groups:
+        numel = sum(inst.layers[u].numel for u in group)
+        if two_level:
+            total += topology.ranks_per_node * (topology.nodes - 1) * inst.shard_k(numel) * entry
+        else:
+            total += (topology.world_size - 1) * selected_k(numel, inst.density) * entry
+    return total
+
+
+def run_topology(models=MODEL_NAMES, topology=DEFAULT_TOPOLOGY, inter_gbit=DEFAULT_INTER_GBIT,
+                 density=DEFAULT_DENSITY, alpha0_s=NetworkModel.alpha0_s, topk=DEFAULT_TOPK,
+                 intra_alpha_s=INTRA_ALPHA_S, intra_bandwidth_Bps=INTRA_BANDWIDTH_BPS):
+    """Rows of :func:`simulate_topology` for every model and inter-node bandwidth."""
+    if not 0 < density <= 1:
+        raise SimulationError(f"density must be in (0, 1], got {density!r}")
+    rows = []
+    for name in models:
+        profile = load_layer_profile(name)
+        for gbit in inter_gbit:
+            network = NetworkModel(bandwidth_bps=gbit * 1e9, alpha0_s=alpha0_s)
+            model = TopologyModel(*topology, network=network, intra_alpha_s=intra_alpha_s,
+                                  intra_bandwidth_Bps=intra_bandwidth_Bps)
+            rows.append(simulate_topology(profile, model, density, topk))
+    return rows
+
+
+def topology_report(rows, topology=TopologyModel(), density=DEFAULT_DENSITY):
+    """Markdown table of :func:`run_topology` rows."""
+    intra = topology.intra_collective()
+    out = [f"Flat vs two-level OMGS (both `optimal`) on {rows[0]['nodes']} nodes x "
+           f"{rows[0]['ranks_per_node']} GPUs (W = {rows[0]['nodes'] * rows[0]['ranks_per_node']}),"
+           f" one NIC per node; intra-node collectives {intra.alpha_s * 1e6:g} us + "
+           f"{topology.ranks_per_node - 1}/({topology.intra_bandwidth_Bps / 1e9:g} GB/s) per "
+           f"byte; alpha0 = {topology.network.alpha0_s * 1e6:g} us per inter-node ring step; "
+           f"density {density:g}; top-k as above, on the shard.", "",
+           "| model | inter-node | compute (ms) | flat OMGS (ms; groups) | two-level (ms; groups) "
+           "| speed-up | flat all-gather / backward | MB per rank to other nodes (count): flat "
+           "| two-level | NIC MB per node (ring): flat | two-level | NIC cut |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['inter_gbit']:g} GbE | {r['compute_s'] * 1e3:.1f} | "
+            f"{r['flat_s'] * 1e3:.1f} ({r['flat_groups']}) | "
+            f"{r['hierarchical_s'] * 1e3:.1f} ({r['hierarchical_groups']}) | "
+            f"{r['speedup']:.2f}x | {100 * r['flat_allgather_share_of_backward']:.0f}% | "
+            f"{r['flat_inter_node_bytes'] / 1e6:.2f} | "
+            f"{r['hierarchical_inter_node_bytes'] / 1e6:.3f} | "
+            f"{r['flat_nic_bytes'] / 1e6:.1f} | {r['hierarchical_nic_bytes'] / 1e6:.2f} | "
+            f"{r['flat_nic_bytes'] / r['hierarchical_nic_bytes']:.1f}x |")
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------ simulation
@@ -358,14 +541,15 @@ def plot(profiles, rows, path):
     plt.close(fig)
 
 
-def update_doc(path, report):
+def update_doc(path, report, markers=(DOC_BEGIN, DOC_END)):
     """Replace the text between the simulate.py markers in ``path`` with ``report``."""
     path = Path(path)
     text = path.read_text()
-    begin, end = text.find(DOC_BEGIN), text.find(DOC_END)
+    doc_begin, doc_end = markers
+    begin, end = text.find(doc_begin), text.find(doc_end)
     if begin < 0 or end < begin:
-        raise SimulationError(f"{path}: needs the markers {DOC_BEGIN} and {DOC_END}")
-    path.write_text(text[: begin + len(DOC_BEGIN)] + "\n" + report.strip() + "\n"
+        raise SimulationError(f"{path}: needs the markers {doc_begin} and {doc_end}")
+    path.write_text(text[: begin + len(doc_begin)] + "\n" + report.strip() + "\n"
                     + text[end:])
 
 
@@ -391,7 +575,18 @@ def main(argv=None):
     parser.add_argument("--update-doc", type=Path,
                         help=f"replace the text between {DOC_BEGIN} and {DOC_END} in this file")
     parser.add_argument("--plot", type=Path, help="write the PNG plot to this file")
+    parser.add_argument("--topology", metavar="NxL",
+                        help="compare flat and two-level OMGS on N nodes of L GPUs instead "
+                             "(e.g. 16x8; --update-doc then fills the topology markers)")
+    parser.add_argument("--inter-gbit", nargs="+", type=float, default=list(DEFAULT_INTER_GBIT),
+                        help="inter-node NIC line rates in Gbit/s for --topology (default 1 25)")
+    parser.add_argument("--intra-gbyte", type=float, default=INTRA_BANDWIDTH_BPS / 1e9,
+                        help="intra-node bandwidth per GPU in GB/s for --topology (default 150)")
+    parser.add_argument("--intra-alpha", type=float, default=INTRA_ALPHA_S,
+                        help="intra-node collective latency in s for --topology (default 10e-6)")
     args = parser.parse_args(argv)
+    if args.topology:
+        return _main_topology(args)
     try:
         network = NetworkModel(bandwidth_bps=args.bandwidth_gbit * 1e9, alpha0_s=args.alpha0)
         try:
@@ -416,6 +611,35 @@ def main(argv=None):
         args.markdown.write_text(report + "\n")
     if args.plot:
         plot(profiles, rows, args.plot)
+    return 0
+
+
+def _main_topology(args):
+    try:
+        nodes, ranks = parse_topology(args.topology)
+        for gbit in args.inter_gbit:
+            if not gbit > 0:
+                raise SimulationError(f"inter-node bandwidth must be positive, got {gbit!r}")
+        try:
+            topk = TopkCost(args.topk_c0, args.topk_c1, args.topk_c2)
+        except ValueError as exc:
+            raise SimulationError(f"top-k cost: {exc}") from None
+        intra = dict(intra_alpha_s=args.intra_alpha, intra_bandwidth_Bps=args.intra_gbyte * 1e9)
+        model = TopologyModel(nodes, ranks, NetworkModel(alpha0_s=args.alpha0), **intra)
+        rows = run_topology(args.models, (nodes, ranks), args.inter_gbit, args.density,
+                            args.alpha0, topk, **intra)
+        report = topology_report(rows, model, args.density)
+        if args.update_doc:
+            update_doc(args.update_doc, report, (TOPOLOGY_BEGIN, TOPOLOGY_END))
+    except SimulationError as exc:
+        print(f"simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
+    if args.json:
+        args.json.write_text(json.dumps({"density": args.density, "topology": [nodes, ranks],
+                                         "rows": rows}, indent=1))
+    if args.markdown:
+        args.markdown.write_text(report + "\n")
     return 0
 
 

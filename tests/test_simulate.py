@@ -165,3 +165,77 @@ def test_cli_reports_bad_input(capsys):
     assert "unknown model 'alexnet'" in capsys.readouterr().err
     assert simulate.main(["--world-sizes", "1"]) == 2
     assert "world size must be an integer >= 2" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- two-level topology
+
+
+def test_topology_collective_costs_follow_the_stated_formulas():
+    net = simulate.NetworkModel(bandwidth_bps=25e9, alpha0_s=50e-6)
+    topo = simulate.TopologyModel(16, 8, net, intra_alpha_s=10e-6, intra_bandwidth_Bps=150e9)
+    assert topo.world_size == 128
+    assert topo.flat_allgather() == net.allgather(128)
+    inter = topo.inter_allgather()
+    assert math.isclose(inter.alpha_s, 15 * 50e-6)
+    assert math.isclose(inter.beta_s_per_byte, 15 * 8 * net.beta0_s_per_byte)
+    intra = topo.intra_collective()
+    assert intra.alpha_s == 10e-6 and math.isclose(intra.beta_s_per_byte, 7 / 150e9)
+    # the shared NIC: the node's 8 concurrent inter-node all-gathers of m/8 bytes take
+    # as long on the wire as one flat all-gather of m among 16 single-GPU nodes
+    m = 1e6
+    assert math.isclose(inter.time(m / 8) - inter.alpha_s, net.allgather(16).time(m)
+                        - net.allgather(16).alpha_s)
+    with pytest.raises(simulate.SimulationError, match="ranks_per_node"):
+        simulate.TopologyModel(16, 1)
+    assert simulate.parse_topology("16x8") == (16, 8)
+    with pytest.raises(simulate.SimulationError, match="NODESxRANKS"):
+        simulate.parse_topology("16-8")
+
+
+def test_topology_instances_and_row_are_consistent():
+    from omgs_hook.planner import make_plan
+
+    profile = simulate.load_layer_profile("resnet50")
+    topo = simulate.TopologyModel(4, 4)
+    flat, two_level = simulate.build_topology_instances(profile, topo)
+    assert flat.hierarchy is None and two_level.hierarchy.ranks_per_node == 4
+    assert two_level.hierarchy.inter == topo.inter_allgather()
+    assert flat.comm == two_level.comm == topo.flat_allgather()
+    row = simulate.simulate_topology(profile, topo)
+    assert row["flat_s"] == make_plan(flat).predicted_iteration_s
+    assert row["hierarchical_s"] == make_plan(two_level).predicted_iteration_s
+    assert math.isclose(row["speedup"], row["flat_s"] / row["hierarchical_s"])
+    # both plans hide at most the compute; inter-node bytes are cut by about L * L
+    # (count: each payload per remote rank) and the NIC's bytes by about L
+    assert row["hierarchical_s"] >= row["compute_s"] * (1 - 1e-9)
+    assert 12 < row["flat_inter_node_bytes"] / row["hierarchical_inter_node_bytes"] <= 16 * 1.01
+    assert 4 < row["flat_nic_bytes"] / row["hierarchical_nic_bytes"] < 6
+
+
+def test_two_level_beats_flat_at_16x8_on_1_gbe_and_never_loses():
+    rows = simulate.run_topology(["resnet50", "vgg16"], (16, 8), (1.0, 25.0))
+    assert len(rows) == 4
+    for row in rows:
+        assert row["hierarchical_s"] <= row["flat_s"]
+        if row["inter_gbit"] == 1.0:
+            assert row["speedup"] > 1.2  # the flat all-gather is far beyond 20% of backward
+            assert row["flat_allgather_share_of_backward"] > 0.2
+
+
+def test_topology_cli_updates_its_own_markers(tmp_path, capsys):
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"a\n{simulate.DOC_BEGIN}\nkeep\n{simulate.DOC_END}\n"
+                   f"{simulate.TOPOLOGY_BEGIN}\nSTALE\n{simulate.TOPOLOGY_END}\nz\n")
+    out_json = tmp_path / "t.json"
+    code = simulate.main(["--topology", "4x2", "--models", "vgg16", "--inter-gbit", "1",
+                          "--update-doc", str(doc), "--json", str(out_json)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| vgg16 | 1 GbE |" in printed
+    text = doc.read_text()
+    assert "keep" in text and "STALE" not in text and "| vgg16 | 1 GbE |" in text
+    assert json.loads(out_json.read_text())["topology"] == [4, 2]
+    assert simulate.main(["--topology", "4", "--models", "vgg16"]) == 2
+    assert "NODESxRANKS" in capsys.readouterr().err
+    assert simulate.main(["--topology", "4x2", "--inter-gbit", "0"]) == 2
+    assert "bandwidth" in capsys.readouterr().err
