@@ -201,3 +201,49 @@ def test_default_profile_scales_with_world_size():
 def test_default_profile_rejects_bad_arguments(args, problem):
     with pytest.raises(ValueError, match=problem):
         default_profile(*args)
+
+
+# ------------------------------------------------------------ two link classes
+
+
+TWO_LEVEL = dict(copy.deepcopy(VALID), world_size=4, ranks_per_node=2,
+                 intra={"alpha_s": 2e-5, "beta_s_per_byte": 1e-11},
+                 inter={"alpha_s": 3e-4, "beta_s_per_byte": 8e-9})
+
+
+def test_two_level_profile_loads_and_gives_a_hierarchy(tmp_path):
+    from omgs_hook.cost_model import Hierarchy, hierarchical_instance
+
+    profile = load_profile(_write(tmp_path, TWO_LEVEL))
+    assert profile.ranks_per_node == 2
+    assert profile.intra == LinearCost(2e-5, 1e-11)
+    assert profile.inter == LinearCost(3e-4, 8e-9)
+    assert profile.hierarchy() == Hierarchy(2, LinearCost(2e-5, 1e-11), LinearCost(3e-4, 8e-9))
+    flat = Instance((Unit(1000, 1e-3),), 4, 0.01, 0.0, profile.comm, profile.topk)
+    h = profile.hierarchy()
+    inst = hierarchical_instance(flat, h.ranks_per_node, h.intra, h.inter)
+    assert simulate(inst, [[0]]) != simulate(flat, [[0]])
+
+
+def test_flat_profile_has_no_hierarchy(tmp_path):
+    profile = load_profile(_write(tmp_path, VALID))
+    assert profile.ranks_per_node is None and profile.hierarchy() is None
+    assert default_profile("cpu", 4).hierarchy() is None
+
+
+@pytest.mark.parametrize("changes, field, message", [
+    ({"inter": None}, "inter", "missing (a two-level profile needs all of"),
+    ({"ranks_per_node": None}, "ranks_per_node", "missing"),
+    ({"ranks_per_node": 3}, "ranks_per_node", "not divisible"),
+    ({"ranks_per_node": 1}, "ranks_per_node", "integer >= 2"),
+    ({"ranks_per_node": True}, "ranks_per_node", "integer >= 2"),
+    ({"intra": {"alpha_s": -1, "beta_s_per_byte": 0}}, "intra.alpha_s", "non-negative"),
+    ({"inter": [1, 2]}, "inter", "must be an object"),
+])
+def test_bad_two_level_fields_are_named(tmp_path, changes, field, message):
+    document = dict(copy.deepcopy(TWO_LEVEL), **changes)
+    document = {k: v for k, v in document.items() if v is not None}
+    with pytest.raises(ProfileError) as info:
+        load_profile(_write(tmp_path, document))
+    assert info.value.field == field
+    assert message in str(info.value)

@@ -19,8 +19,18 @@ record of how the numbers were obtained)::
       "dense": {"alpha_s": 2.6e-4, "beta_s_per_byte": 6.0e-10},  *  all-reduce
       "topk":  {"backend": "sampled", "c0": 1e-5, "c1": 2e-9, "c2": 0.0},  *
       "topk_all": {"torch": {"c0": ..., "c1": ..., "c2": ...}, ...},       *  (optional)
+      "ranks_per_node": 4,                                       *  (optional, two-level)
+      "intra": {"alpha_s": 2e-5, "beta_s_per_byte": 1e-11},      *  (with ranks_per_node)
+      "inter": {"alpha_s": 3e-4, "beta_s_per_byte": 8e-9},       *  (with ranks_per_node)
       "settings": {...}, "samples": {...}, "fit_errors": {...}
     }
+
+Two link classes (optional, all three keys or none): ``intra`` is an intra-node
+collective among the node's ``ranks_per_node`` ranks (reduce-scatter / all-gather),
+``inter`` the packed sparse all-gather among the ``world_size / ranks_per_node`` ranks
+with the same local rank, timed with all local ranks exchanging at once; both against
+the bytes one rank contributes, as :class:`omgs_hook.cost_model.Hierarchy` expects
+(:meth:`Profile.hierarchy`). Files without them load as before.
 
 Byte conventions (they must match the planner's ``Instance``): ``comm`` is timed
 against the bytes ONE rank contributes to the packed all-gather (``k`` values + ``k``
@@ -36,7 +46,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from omgs_hook.cost_model import LinearCost, TopkCost
+from omgs_hook.cost_model import Hierarchy, LinearCost, TopkCost
 
 SCHEMA_VERSION = 1
 
@@ -63,6 +73,8 @@ class Profile:
     topk_all: coefficients for every measured selector (includes ``topk_backend``).
     topk_density: density the selectors were timed at (None when unknown).
     source: one line saying where the numbers come from.
+    ranks_per_node, intra, inter: the two link classes of a multi-GPU-node profile
+        (all None for a flat profile; see the module docstring).
     """
 
     comm: LinearCost
@@ -76,10 +88,20 @@ class Profile:
     topk_all: dict = field(default_factory=dict)
     topk_density: "float | None" = None
     source: str = ""
+    ranks_per_node: "int | None" = None
+    intra: "LinearCost | None" = None
+    inter: "LinearCost | None" = None
 
     def topk_for(self, backend):
         """The top-k cost of ``backend``; falls back to :attr:`topk` when it was not measured."""
         return self.topk_all.get(backend, self.topk)
+
+    def hierarchy(self):
+        """The :class:`~omgs_hook.cost_model.Hierarchy` of a two-level profile, else None
+        (``cost_model.hierarchical_instance(flat, h.ranks_per_node, h.intra, h.inter)``)."""
+        if self.ranks_per_node is None:
+            return None
+        return Hierarchy(self.ranks_per_node, self.intra, self.inter)
 
 
 # ---------------------------------------------------------------------------------------
@@ -249,6 +271,8 @@ def profile_from_dict(data, path="<profile>"):
             _fail(path, "settings.topk_density", f"must be a number in (0, 1], got {density!r}")
         density = float(density)
 
+    ranks_per_node, intra, inter = _link_classes(path, data, world_size)
+
     return Profile(
         comm=comm,
         dense=dense,
@@ -257,11 +281,35 @@ def profile_from_dict(data, path="<profile>"):
         world_size=world_size,
         backend=backend,
         device_type=device_type,
+        ranks_per_node=ranks_per_node,
+        intra=intra,
+        inter=inter,
         path=None if path == "<profile>" else str(path),
         topk_all=topk_all,
         topk_density=density,
         source=f"measured profile {path} (created {data.get('created', 'unknown')})",
     )
+
+
+_LINK_KEYS = ("ranks_per_node", "intra", "inter")
+
+
+def _link_classes(path, data, world_size):
+    """(ranks_per_node, intra, inter) of a two-level profile, or three Nones."""
+    present = [key for key in _LINK_KEYS if data.get(key) is not None]
+    if not present:
+        return None, None, None
+    for key in _LINK_KEYS:
+        if data.get(key) is None:
+            _fail(path, key, f"missing (a two-level profile needs all of "
+                             f"{', '.join(_LINK_KEYS)}; found {', '.join(present)})")
+    ranks = data["ranks_per_node"]
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+        _fail(path, "ranks_per_node", f"must be an integer >= 2, got {ranks!r}")
+    if world_size % ranks:
+        _fail(path, "ranks_per_node",
+              f"world_size {world_size} is not divisible by ranks_per_node {ranks}")
+    return ranks, _linear(path, data, "intra"), _linear(path, data, "inter")
 
 
 def load_profile(path):
