@@ -330,3 +330,35 @@ def test_hierarchy_changes_the_plan_on_a_slow_network():
                                       LinearCost(7 * 1e-4, 56 * 8.5e-9))
     assert make_plan(two_level).predicted_iteration_s < make_plan(flat).predicted_iteration_s
     assert make_plan(two_level).predicted_iteration_s >= relaxed_lower_bound(two_level)
+
+
+def test_exact_mode_search_agrees_with_the_flat_search_on_flat_instances():
+    from omgs_hook.planner import _exact_modes
+
+    rng = random.Random(11)
+    for _ in range(20):
+        inst = relaxed_instance(random_instance(rng, multiples=True, dense=True))
+        inst = Instance(inst.layers, inst.world_size, inst.density, inst.forward_s, inst.comm,
+                        TopkCost(1e-5, 1e-9, 1e-10), dense=inst.dense)
+        groups = [[u] for u in range(inst.num_units)]
+        ours = simulate(inst, groups, list(_exact_modes(inst, groups))).predicted_iteration_s
+        flat = simulate(inst, groups, list(best_modes(inst, groups))).predicted_iteration_s
+        assert ours == pytest.approx(flat, rel=1e-12)
+
+
+def test_mode_search_on_many_groups_stays_exact_without_a_warning(recwarn):
+    rng = random.Random(3)
+    layers = [{"numel": rng.randint(1000, 10**6), "backward_s": rng.uniform(1e-4, 3e-3)}
+              for _ in range(150)]
+    inst = Instance.from_dict(instance_dict(
+        layers=layers, world_size=128, density=0.001,
+        dense={"alpha_s": 2e-3, "beta_s_per_byte": 5e-10},
+        hierarchy={"ranks_per_node": 8, "intra": INTRA, "inter": INTER}))
+    groups = [[u] for u in range(150)]
+    modes = best_modes(inst, groups)
+    got = simulate(inst, groups, list(modes)).comm_end_s
+    for flags in ([False] * 150, [True] * 150, [i % 2 == 0 for i in range(150)]):
+        assert got <= simulate(inst, groups, flags).comm_end_s * (1 + 1e-12)
+    plan = make_plan(inst)
+    assert plan.predicted_iteration_s <= make_plan(inst, "layerwise").predicted_iteration_s
+    assert not [w for w in recwarn if "mode search" in str(w.message)]

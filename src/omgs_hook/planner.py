@@ -401,17 +401,20 @@ def _hierarchical_plan(inst: Instance, strategy: str) -> Plan:
 
 # Pareto states the exact mode search of a two-level instance keeps per group boundary
 # before it falls back to the best ones (SearchBudgetWarning).
-_MODE_STATES = 4096
+_MODE_STATES = 1 << 16
 
 
 def _exact_modes(inst: Instance, groups) -> Tuple[bool, ...]:
     """Best sparse/dense flags for fixed groups under the exact timeline (any instance):
     a forward pass over Pareto fronts of ``(c, e)`` states, as in :class:`_FrontierSearch`
     (both coordinates of an image grow with both of the state's), with the costs of
-    :func:`~omgs_hook.cost_model.simulate`. Ties prefer sparse and earlier states."""
-    front = [(0.0, 0.0, ())]
+    :func:`~omgs_hook.cost_model.simulate`. States that cannot beat the best of three
+    simple mode rules (all sparse, all dense, each group's cheaper mode alone) are
+    dropped: every completion needs at least the remaining groups' cheaper collectives on
+    the network, and the remaining backward plus one collective on the compute side.
+    Ties prefer sparse and earlier states."""
     hierarchical = inst.hierarchy is not None
-    capped = False
+    terms = []
     for group in groups:
         numel = sum(inst.layers[u].numel for u in group)
         backward = sum(inst.layers[u].backward_s for u in group)
@@ -421,28 +424,57 @@ def _exact_modes(inst: Instance, groups) -> Tuple[bool, ...]:
         else:
             x_sparse = backward + inst.topk_time(numel)
             y_sparse = inst.sparse_comm_time(numel)
-        y_dense = inst.dense_comm_time(numel)
-        images = []
-        for c, e, flags in front:
-            cs = c + x_sparse
-            images.append((cs, max(e, cs) + y_sparse, flags + (False,)))
-            cd = c + backward
-            images.append((cd, max(e, cd) + y_dense, flags + (True,)))
-        images.sort(key=lambda state: (state[0], state[1]))  # stable: sparse first
-        front = []
-        for state in images:
-            if not front or state[1] < front[-1][1]:
-                front.append(state)
-        if len(front) > _MODE_STATES:
+        terms.append((backward, x_sparse, y_sparse, inst.dense_comm_time(numel)))
+    m = len(terms)
+    rules = [[False] * m, [True] * m,
+             [y_dense < x_sparse - backward + y_sparse
+              for backward, x_sparse, y_sparse, y_dense in terms]]
+    upper = min(simulate(inst, groups, flags).comm_end_s for flags in rules)
+    limit = upper + _RELATIVE_TIE * _time_scale(inst) * (m + 2)
+    rest_net = [0.0] * (m + 1)
+    rest_cpu = [0.0] * (m + 1)
+    for j in range(m - 1, -1, -1):
+        backward, _, y_sparse, y_dense = terms[j]
+        rest_net[j] = rest_net[j + 1] + min(y_sparse, y_dense)
+        rest_cpu[j] = rest_cpu[j + 1] + backward
+    last = min(terms[-1][2], terms[-1][3])
+    tie = _RELATIVE_TIE * _time_scale(inst)
+    C = np.zeros(1)
+    E = np.zeros(1)
+    history = []  # per group: (parent index, dense flag) of every kept state
+    capped = False
+    for j, (backward, x_sparse, y_sparse, y_dense) in enumerate(terms):
+        net_left, cpu_left = rest_net[j + 1], rest_cpu[j + 1] + (last if j + 1 < m else 0.0)
+        cs, cd = C + x_sparse, C + backward
+        cand_c = np.concatenate((cs, cd))
+        cand_e = np.concatenate((np.maximum(E, cs) + y_sparse, np.maximum(E, cd) + y_dense))
+        viable = np.flatnonzero((cand_e + net_left <= limit) & (cand_c + cpu_left <= limit))
+        if viable.size == 0:  # rounding only: the bound is an actual plan's time
+            return tuple(min(rules, key=lambda f: simulate(inst, groups, f).comm_end_s))
+        # Pareto front: by c (stable: sparse images first), keep a state when its e is
+        # clearly below every e before it
+        order = viable[np.argsort(cand_c[viable], kind="stable")]
+        e_sorted = cand_e[order]
+        best_before = np.concatenate(([np.inf], np.minimum.accumulate(e_sorted)[:-1]))
+        kept = order[e_sorted < best_before - tie]
+        if kept.size > _MODE_STATES:
             capped = True
-            front = sorted(front, key=lambda state: state[1])[:_MODE_STATES]
-            front.sort(key=lambda state: state[0])
+            kept = np.sort(kept[np.argsort(cand_e[kept], kind="stable")[:_MODE_STATES]])
+            kept = kept[np.argsort(cand_c[kept], kind="stable")]
+        size = C.size
+        history.append((kept % size, kept >= size))
+        C, E = cand_c[kept], cand_e[kept]
     if capped:
         warnings.warn(
             f"omgs_hook planner: the exact mode search kept more than {_MODE_STATES} "
             f"states per group; using the best modes among those kept (not proven optimal)",
             SearchBudgetWarning, stacklevel=3)
-    return min(front, key=lambda state: state[1])[2]
+    state = int(np.argmin(E))  # first minimum wins ties
+    flags = []
+    for parents, dense in reversed(history):
+        flags.append(bool(dense[state]))
+        state = int(parents[state])
+    return tuple(reversed(flags))
 
 
 class SearchBudgetWarning(UserWarning):
