@@ -451,3 +451,42 @@ def test_train_script_passes_topology_options():
     assert options["topology"] == "hierarchical" and options["ranks_per_node"] == 2
     with pytest.raises(SystemExit):
         train.parse_args(["--hook", "allreduce", "--topology", "flat"])
+
+
+def test_shard_store_commits_migrates_and_saves_full_shaped():
+    from omgs_hook.residual_memory import ResidualMemory
+
+    memory = ResidualMemory()
+    memory.note_shape("w", (2, 3))
+    memory.note_shape("b", (3,))
+    keys, numels = ("w", "b"), (6, 3)
+    # local rank 1 of 2: the shard is elements [5, 10) of the 9-element group (1 padding)
+    store = memory.shard_store(keys, numels, 5, 5, 10, torch.device("cpu"))
+    store.spare.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0]))
+    memory.stage_shard(store)
+    memory.discard_staged()  # a non-finite step: nothing changes
+    assert memory.total_norm() == 0.0
+    memory.stage_shard(store)
+    memory.commit_staged()
+    saved = memory.state_dict()
+    assert torch.equal(saved["w"], torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]))
+    assert torch.equal(saved["b"], torch.tensor([2.0, 3.0, 4.0]))
+    # the same store again, and a checkpoint of it adopted straight back in
+    assert memory.shard_store(keys, numels, 5, 5, 10, torch.device("cpu")) is store
+    fresh = ResidualMemory()
+    fresh.load_state_dict(saved)
+    again = fresh.shard_store(keys, numels, 5, 5, 10, torch.device("cpu"))
+    assert fresh.adopt_into_shard(again, list(keys)) == []
+    assert torch.equal(again.current, store.current) and fresh.get("w") is None
+    # a group with other keys touching "b": the store becomes per-parameter residuals
+    memory.migrate_overlapping(("b",))
+    assert memory.shard_store(("w",), (6,), 3, 3, 6, torch.device("cpu")) is not store
+    assert torch.equal(memory.get("b"), torch.tensor([2.0, 3.0, 4.0]))
+    assert torch.equal(memory.get("w"), torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0]))
+    # a residual that is not zero outside the new shard cannot be adopted: it is left
+    # for the pre-reduce-scatter path
+    w_store = memory.shard_store(("w",), (6,), 3, 3, 6, torch.device("cpu"))
+    assert memory.adopt_into_shard(w_store, ["w"]) == []  # only element 5: inside [3, 6)
+    other = memory.shard_store(("b",), (3,), 0, 2, 4, torch.device("cpu"))
+    assert memory.adopt_into_shard(other, ["b"]) == ["b"]  # element 2 lies outside [0, 2)
+    assert abs(memory.total_norm() - math.sqrt(1 + 4 + 9 + 16)) < 1e-6

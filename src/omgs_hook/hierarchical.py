@@ -49,6 +49,7 @@ import torch
 
 from . import communicator
 from .cost_model import selected_k
+from .group_exchange import _scatter_average, _sum_of_squares
 
 
 def shard_bounds(numel, ranks_per_node, local_rank):
@@ -86,22 +87,28 @@ def sparse_group(ex, keys, numel, record):
     if foreign:
         foreign = memory.adopt_into_shard(store, foreign)
     segments = ex._segments(keys)
-    staging = store.staging
     factor, grad_sq = ex._clip_factor(segments, numel)
-    for g_off, n, grad in segments:
-        out = staging[g_off:g_off + n]
-        if factor is None:
-            out.copy_(grad)
-        else:
-            torch.mul(grad, factor, out=out)
     if ex.measure_health:
-        ex.health.append([grad_sq if grad_sq is not None else staging[:numel].square().sum(), None])
-    offsets = {key: o for key, o in zip(store.keys, store.offsets)}
-    for key in foreign:
-        o = offsets[key]
-        staging[o:o + ex.arrived[key][1].numel()] += memory.get(key)
+        ex.health.append([grad_sq if grad_sq is not None else _sum_of_squares(segments), None])
+    if (factor is None and not foreign and len(segments) == 1 and numel == L * size
+            and segments[0][2].dtype == torch.float32 and segments[0][2].is_contiguous()):
+        # one fp32 run of the bucket buffer, no padding: reduce-scatter it where it lies
+        # (it is read before the write-back, which waits for the last collective)
+        source = segments[0][2]
+    else:
+        source = store.staging_buffer()
+        for g_off, n, grad in segments:
+            out = source[g_off:g_off + n]
+            if factor is None:
+                out.copy_(grad)
+            else:
+                torch.mul(grad, factor, out=out)
+        offsets = {key: o for key, o in zip(store.keys, store.offsets)}
+        for key in foreign:
+            o = offsets[key]
+            source[o:o + ex.arrived[key][1].numel()] += memory.get(key)
     shard_sum = store.shard_sum
-    work = communicator.reduce_scatter_flat(shard_sum, staging, group=groups.intra, async_op=True)
+    work = communicator.reduce_scatter_flat(shard_sum, source, group=groups.intra, async_op=True)
     assembled = time.perf_counter()
     yield work
 
@@ -161,8 +168,6 @@ def _finish(ex, keys, store, segments, gathered, k, numel, size, foreign):
         indices = indices + (shard * size).unsqueeze(1)
         # padding entries (past the group's end) carry value 0: clamp them onto a real one
         indices = indices.clamp_(max=numel - 1).reshape(-1)
-        from .group_exchange import _scatter_average
-
         _scatter_average(segments, indices, values.reshape(-1), 1.0 / ex.world_size, numel)
     ex.memory.stage_shard(store)
     for key in foreign:

@@ -115,7 +115,7 @@ class ShardStore:
     padding, always zero), plus the step's working buffers."""
 
     __slots__ = ("keys", "numels", "offsets", "numel", "lo", "size", "_buffers", "_current",
-                 "staging", "shard_sum")
+                 "padded", "_staging", "shard_sum")
 
     def __init__(self, keys, numels, lo, size, padded, device):
         self.keys = tuple(keys)
@@ -129,10 +129,17 @@ class ShardStore:
         self.lo, self.size = int(lo), int(size)
         self._buffers = [torch.zeros(size, dtype=torch.float32, device=device) for _ in range(2)]
         self._current = 0
-        # the local gradient, padded to ranks_per_node * size (reduce-scatter input), and
-        # the reduce-scatter's output: transient per step, kept to avoid reallocation
-        self.staging = torch.zeros(padded, dtype=torch.float32, device=device)
+        # the local gradient, padded to ranks_per_node * size (reduce-scatter input; made
+        # on first need: a single fp32 bucket run of that length is reduce-scattered in
+        # place), and the reduce-scatter's output - per step, kept to avoid reallocation
+        self.padded = int(padded)
+        self._staging = None
         self.shard_sum = torch.empty(size, dtype=torch.float32, device=device)
+
+    def staging_buffer(self):
+        if self._staging is None:
+            self._staging = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        return self._staging
 
     @property
     def device(self):
@@ -166,7 +173,8 @@ class ShardStore:
 
     def to(self, device):
         self._buffers = [b.to(device) for b in self._buffers]
-        self.staging = self.staging.to(device)
+        if self._staging is not None:
+            self._staging = self._staging.to(device)
         self.shard_sum = self.shard_sum.to(device)
 
 
