@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from omgs_hook import profile_run
+from omgs_hook.cost_model import Hierarchy, Instance, Unit, hierarchical_instance
 from omgs_hook.profile_file import SCHEMA_VERSION, load_profile, profile_mismatches
 from omgs_hook.topk import available_backends, get_selector
 
@@ -45,6 +46,33 @@ def _torchrun(nproc, *args):
             f"--nproc_per_node={nproc}", *args]
 
 
+def _check_collective(document, name, key, reps):
+    """One collective section ``name`` of the sweep, and its fit ``key`` unless None."""
+    sweep = document["sweep"]
+    sizes = document["settings"]["sizes_bytes"]
+    rows = document["samples"][name]
+    record = sweep["sections"][name]
+    # the measured sizes are a prefix of the planned ones, as recorded
+    assert record["planned"] == sizes
+    assert [r["bytes"] for r in rows] == record["measured"] == sizes[:len(rows)]
+    assert [len(r["seconds"]) for r in rows] == record["reps"]
+    if reps is not None:
+        assert record["reps"] == [reps] * len(rows)
+    assert all(min(r["seconds"]) > 0 for r in rows)
+    if key is None:
+        return
+    assert [p["bytes"] for p in document["fit_errors"][key]] == record["measured"]
+    assert set(document[key]) == {"alpha_s", "beta_s_per_byte"}
+    # a collective costs something: the fitted line is positive at every size
+    line = document[key]
+    assert all(line["alpha_s"] + line["beta_s_per_byte"] * s > 0 for s in sizes)
+    # the reported errors are those of the written fit against the median samples
+    for row, point in zip(rows, document["fit_errors"][key]):
+        assert point["median_s"] == pytest.approx(statistics.median(row["seconds"]))
+        predicted = line["alpha_s"] + line["beta_s_per_byte"] * row["bytes"]
+        assert point["rel_error"] == pytest.approx(predicted / point["median_s"] - 1)
+
+
 def _check_document(document, world_size, reps=None):
     """Everything a written profile must satisfy; ``reps`` = the fixed reps, or None (adaptive)."""
     cpu = torch.device("cpu")
@@ -57,27 +85,11 @@ def _check_document(document, world_size, reps=None):
     # the default top-k backend is the one the hook picks on this device
     assert document["topk"]["backend"] == get_selector("auto", cpu).name
     sweep = document["sweep"]
-    sizes = document["settings"]["sizes_bytes"]
     for name, key in (("all_gather", "comm"), ("all_reduce", "dense")):
-        rows = document["samples"][name]
-        record = sweep["sections"][name]
-        # the measured sizes are a prefix of the planned ones, as recorded
-        assert record["planned"] == sizes
-        assert [r["bytes"] for r in rows] == record["measured"] == sizes[:len(rows)]
-        assert [len(r["seconds"]) for r in rows] == record["reps"]
-        if reps is not None:
-            assert record["reps"] == [reps] * len(rows)
-        assert all(min(r["seconds"]) > 0 for r in rows)
-        assert [p["bytes"] for p in document["fit_errors"][key]] == record["measured"]
-        assert set(document[key]) == {"alpha_s", "beta_s_per_byte"}
-        # a collective costs something: the fitted line is positive at every size
-        line = document[key]
-        assert all(line["alpha_s"] + line["beta_s_per_byte"] * s > 0 for s in sizes)
-        # the reported errors are those of the written fit against the median samples
-        for row, point in zip(rows, document["fit_errors"][key]):
-            assert point["median_s"] == pytest.approx(statistics.median(row["seconds"]))
-            predicted = line["alpha_s"] + line["beta_s_per_byte"] * row["bytes"]
-            assert point["rel_error"] == pytest.approx(predicted / point["median_s"] - 1)
+        _check_collective(document, name, key, reps)
+    if "intra" in document:  # a multi-GPU-node profile: its link sections (fits: below)
+        for name in profile_run.LINK_SECTIONS:
+            _check_collective(document, name, None, reps)
     for backend, rows in document["samples"]["topk"].items():
         record = sweep["sections"][f"topk:{backend}"]
         assert [r["numel"] for r in rows] == record["measured"]
@@ -102,12 +114,27 @@ def _check_document(document, world_size, reps=None):
             assert record["reason"] in ("budget", "probe") and record["message"]
 
 
+# the keys of a flat profile (one node, or one rank per node): exactly those written before
+# the two link classes existed
+FLAT_KEYS = {"schema_version", "created", "world_size", "backend", "device", "device_name",
+             "torch_version", "cupy_version", "comm", "dense", "topk", "topk_all", "settings",
+             "sweep", "fit_errors", "samples"}
+
+
+def _check_flat(document):
+    assert set(document) == FLAT_KEYS
+    assert set(document["samples"]) == {"all_gather", "all_reduce", "topk"}
+    assert set(document["fit_errors"]) == {"comm", "dense", "topk"}
+    assert not set(document["sweep"]["sections"]) & set(profile_run.LINK_SECTIONS)
+
+
 @pytest.mark.multiprocess
 def test_two_rank_quick_profile_via_torchrun(tmp_path):
     out = tmp_path / "profile.json"
     result = _run(_torchrun(2, str(SCRIPT), "--quick", "--out", str(out)), cwd=tmp_path)
     document = json.loads(out.read_text())
     _check_document(document, world_size=2, reps=profile_run.QUICK_REPS)
+    _check_flat(document)  # LOCAL_WORLD_SIZE=2: one node
     assert document["settings"]["sizes_bytes"] == list(profile_run.QUICK_SIZES)
     # --quick keeps its fixed sweep: no budget, every size measured
     assert document["sweep"]["time_budget_s"] is None and document["sweep"]["truncated"] == []
@@ -143,6 +170,9 @@ def test_four_rank_console_script_with_custom_sweep(tmp_path):
     assert document["topk"]["backend"] == "torch"  # auto's choice was not measured
     assert not list(out.parent.glob("*.png"))
     assert load_profile(out).world_size == 4
+    # one node of 4 ranks (torchrun's LOCAL_WORLD_SIZE=4): flat, exactly as before
+    _check_flat(document)
+    assert load_profile(out).hierarchy() is None
 
 
 @pytest.mark.multiprocess
@@ -152,6 +182,140 @@ def test_single_rank_without_launcher(tmp_path):
                   cwd=tmp_path)
     assert "single rank" in result.stderr
     assert load_profile(out).world_size == 1
+    _check_flat(json.loads(out.read_text()))
+
+
+@pytest.mark.multiprocess
+def test_two_nodes_of_two_ranks_measure_both_link_classes(tmp_path):
+    # 4 gloo ranks on loopback as 2 "nodes" x 2 ranks (--ranks-per-node 2; torchrun's
+    # LOCAL_WORLD_SIZE is 4 here). Sizes large enough that the per-byte term shows.
+    out = tmp_path / "two_level.json"
+    result = _run(_torchrun(4, str(SCRIPT), "--out", str(out), "--no-progress",
+                            "--ranks-per-node", "2", "--sizes", "4K,256K,2M",
+                            "--topk-sizes", "1e3,1e4,1e5",
+                            "--reps", "3", "--warmup", "1"), cwd=tmp_path)
+    document = json.loads(out.read_text())
+    _check_document(document, world_size=4, reps=3)
+    assert set(document) == FLAT_KEYS | {"ranks_per_node", "intra", "inter", "topology",
+                                         "intra_parts"}
+    assert document["ranks_per_node"] == 2
+    assert document["topology"] == {"kind": "hierarchical", "nodes": 2, "ranks_per_node": 2,
+                                    "requested": "auto"}
+    sizes = document["settings"]["sizes_bytes"]
+    for name in profile_run.LINK_SECTIONS:
+        assert [r["bytes"] for r in document["samples"][name]] == sizes
+    for key in ("intra", "inter"):
+        line = document[key]
+        assert set(line) == {"alpha_s", "beta_s_per_byte"}
+        assert line["alpha_s"] >= 0 and line["beta_s_per_byte"] > 0
+    # intra is one line through both intra-node collectives' points, at the bytes each
+    # rank contributes; each collective's own line is kept as a record
+    assert set(document["intra_parts"]) == {"reduce_scatter", "all_gather"}
+    points = document["fit_errors"]["intra"]
+    assert [p["collective"] for p in points] == ["reduce_scatter"] * 3 + ["all_gather"] * 3
+    assert [p["bytes"] for p in points] == sizes * 2
+    for point, row in zip(points, document["samples"]["intra_reduce_scatter"]
+                          + document["samples"]["intra_all_gather"]):
+        assert point["median_s"] == pytest.approx(statistics.median(row["seconds"]))
+        predicted = document["intra"]["alpha_s"] + document["intra"]["beta_s_per_byte"] * row[
+            "bytes"]
+        assert point["rel_error"] == pytest.approx(predicted / point["median_s"] - 1)
+    assert [p["bytes"] for p in document["fit_errors"]["inter"]] == sizes
+    assert "two link classes: 2 nodes x 2 ranks" in result.stdout
+    assert (tmp_path / "two_level.png").read_bytes()[:8] == PNG_MAGIC
+
+    profile = load_profile(out)
+    assert profile.ranks_per_node == 2
+    assert profile.intra.beta_s_per_byte == document["intra"]["beta_s_per_byte"]
+    assert profile.inter.alpha_s == document["inter"]["alpha_s"]
+    hierarchy = profile.hierarchy()
+    assert isinstance(hierarchy, Hierarchy)
+    assert (hierarchy.ranks_per_node, hierarchy.intra, hierarchy.inter) == (
+        2, profile.intra, profile.inter)
+    # and it prices a two-level instance
+    flat = Instance(layers=[Unit(numel=100_000, backward_s=1e-3)], world_size=4,
+                    density=0.01, forward_s=1e-3, comm=profile.comm, topk=profile.topk)
+    two_level = hierarchical_instance(flat, hierarchy.ranks_per_node, hierarchy.intra,
+                                      hierarchy.inter)
+    assert two_level.inter_allgather_time(100_000) == pytest.approx(
+        profile.inter.alpha_s + profile.inter.beta_s_per_byte * 8 * 500)
+
+
+@pytest.mark.parametrize("env, option, ranks_per_node, expected", [
+    ({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_WORLD_SIZE": "2"}, "auto", None, (2, 2)),
+    ({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "4"}, "auto", None, None),
+    ({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "4"}, "auto", 2, (2, 2)),
+    ({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "1"}, "auto", None, None),
+    ({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}, "flat", None, None),
+    ({"WORLD_SIZE": "4", "RANK": "0"}, "auto", None, None),
+    ({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "4"}, "hierarchical", None, (1, 4)),
+    ({"WORLD_SIZE": "8", "RANK": "5", "LOCAL_WORLD_SIZE": "4"}, "auto", None, (2, 4)),
+])
+def test_which_worlds_measure_the_two_link_classes(env, option, ranks_per_node, expected):
+    topo = profile_run.resolve_link_topology(option, ranks_per_node, env=env)
+    if expected is None:
+        assert topo is None
+    else:
+        assert (topo.nodes, topo.ranks_per_node) == expected and topo.hierarchical
+        assert topo.rank == int(env["RANK"])
+
+
+@pytest.mark.parametrize("env, option, ranks_per_node, message", [
+    ({"WORLD_SIZE": "4", "RANK": "0"}, "auto", 3, "--ranks-per-node=3 does not divide"),
+    ({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "3"}, "auto", None,
+     r"--ranks-per-node \(from LOCAL_WORLD_SIZE\)=3 does not divide"),
+    ({"WORLD_SIZE": "4", "RANK": "0"}, "hierarchical", None, "--ranks-per-node: .*needs"),
+    ({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "1"}, "hierarchical", None,
+     "at least 2 ranks per node"),
+])
+def test_bad_topologies_are_clear_errors(env, option, ranks_per_node, message):
+    with pytest.raises(SystemExit, match=message):
+        profile_run.resolve_link_topology(option, ranks_per_node, env=env)
+
+
+def test_bad_topology_options_are_rejected_before_launching(monkeypatch, capsys):
+    for name, value in (("WORLD_SIZE", "4"), ("RANK", "0"), ("LOCAL_WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match="--ranks-per-node=3 does not divide the world size 4"):
+        profile_run.main(["--quick", "--ranks-per-node", "3"])
+    with pytest.raises(SystemExit) as info:
+        profile_run.main(["--topology", "nodes"])
+    assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        profile_run.main(["--ranks-per-node", "0"])
+    assert info.value.code == 2
+
+
+def test_the_intra_fit_is_one_line_through_both_collectives_at_contributed_bytes():
+    # both intra-node collectives on the same line (per byte each rank contributes),
+    # the inter-node all-gather on another: the fits recover them
+    sizes = [1024, 8192, 65536, 524288]
+    intra, inter = (2e-5, 1e-10), (3e-4, 8e-9)
+
+    def rows(alpha, beta, scale=1.0):
+        return [{"bytes": b, "seconds": [scale * (alpha + beta * b)] * 3} for b in sizes]
+
+    samples = {"all_gather": rows(*inter), "all_reduce": rows(*inter),
+               "intra_reduce_scatter": rows(*intra), "intra_all_gather": rows(*intra),
+               "inter_all_gather": rows(*inter),
+               "topk": {"torch": [{"numel": d, "k": 1, "seconds": [1e-4 + 1e-9 * d]}
+                                  for d in (1000, 10000, 100000)]}}
+    fits, errors = profile_run.fit_samples(samples)
+    assert fits["intra"].alpha_s == pytest.approx(intra[0], rel=1e-6)
+    assert fits["intra"].beta_s_per_byte == pytest.approx(intra[1], rel=1e-6)
+    assert fits["inter"].beta_s_per_byte == pytest.approx(inter[1], rel=1e-6)
+    for part in ("reduce_scatter", "all_gather"):
+        assert fits["intra_parts"][part].beta_s_per_byte == pytest.approx(intra[1], rel=1e-6)
+    assert len(errors["intra"]) == 2 * len(sizes) and len(errors["inter"]) == len(sizes)
+    # a slower reduce-scatter pulls the joint line between the two collectives' lines
+    samples["intra_reduce_scatter"] = rows(*intra, scale=2.0)
+    fits, _ = profile_run.fit_samples(samples)
+    assert (fits["intra_parts"]["all_gather"].beta_s_per_byte < fits["intra"].beta_s_per_byte
+            < fits["intra_parts"]["reduce_scatter"].beta_s_per_byte)
+    # a flat sweep's samples fit as before: no link classes
+    flat = {k: v for k, v in samples.items() if k not in profile_run.LINK_SECTIONS}
+    fits, errors = profile_run.fit_samples(flat)
+    assert "intra" not in fits and "inter" not in errors
 
 
 def test_script_does_not_shadow_the_stdlib_profile_module():

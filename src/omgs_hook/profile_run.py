@@ -19,6 +19,20 @@ What is measured (every rank takes part; rank 0 writes the results):
    random float32 tensor of D elements with ``k = selected_k(D, density)``, for every
    backend that can run on the device.
 
+4. **Two link classes** (``intra``/``inter``, only on a multi-GPU-node world: more than
+   one node and more than one rank per node, resolved like the hook's ``topology``/
+   ``ranks_per_node`` options - ``--topology``, ``--ranks-per-node``, default torchrun's
+   ``LOCAL_WORLD_SIZE``; consecutive ranks form a node). The subgroups are those of
+   ``topology.build_subgroups``. ``intra`` times, inside every node at once, the two
+   intra-node collectives of the two-level exchange: the reduce-scatter of a dense
+   float32 buffer of ``L * S`` elements (size = the rank's shard, ``4 * S`` bytes) and
+   the all-gather of a float32 payload (size = the bytes one rank puts in); both sets of
+   points are fitted by one line, since the cost model prices both by ``intra`` per byte
+   each rank contributes. ``inter`` times the packed sparse all-gather (as in 1.) among
+   the N ranks with the same local rank, with all L inter-node groups exchanging at
+   the same time (they share the node's network link). Written as ``ranks_per_node``,
+   ``intra`` and ``inter``; flat worlds write none of them.
+
 Every measurement is repeated: ``--warmup`` untimed calls first (connection set-up,
 allocator, CuPy kernel compilation), then ``--reps`` timed calls, each preceded by a
 barrier so all ranks start together. Each rank times its own call (a CUDA synchronise
@@ -50,7 +64,8 @@ the ``D log D`` term. Each point's relative fit error is written to the file and
 
 Options: ``--sizes`` (message sizes in bytes), ``--topk-sizes`` (D values), ``--max-size``,
 ``--max-topk-size``, ``--time-budget``, ``--reps``, ``--warmup``, ``--density``,
-``--topk-backends``, ``--backend`` (default: nccl when CUDA is available, else gloo),
+``--topk-backends``, ``--topology``, ``--ranks-per-node``, ``--backend`` (default: nccl
+when CUDA is available, else gloo),
 ``--device``, ``--quick`` (a tiny fixed sweep for tests and smoke checks), ``--no-plot``,
 ``--plot PATH``. Sizes accept ``K``/``M``/``G`` suffixes (powers of 1024) and scientific
 notation (``4e6``).
@@ -73,7 +88,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from omgs_hook import cli_types, communicator
+from omgs_hook import cli_types, communicator, topology
 from omgs_hook.cost_model import selected_k
 from omgs_hook.fitting import fit_linear_relative, fit_topk
 from omgs_hook.profile_file import SCHEMA_VERSION, profile_from_dict
@@ -104,6 +119,11 @@ POINT_SHARE = 1 / 12
 PROBE_CALLS = 2
 # how the budget is split; what a part leaves unused goes to the parts after it
 SECTION_WEIGHTS = {"all_gather": 0.4, "all_reduce": 0.3, "topk": 0.3}
+# ... and on a multi-GPU-node world, with the two link classes (intra: two sections)
+HIERARCHICAL_SECTION_WEIGHTS = {"all_gather": 0.25, "all_reduce": 0.2,
+                                "intra_reduce_scatter": 0.1, "intra_all_gather": 0.1,
+                                "inter_all_gather": 0.15, "topk": 0.2}
+LINK_SECTIONS = ("intra_reduce_scatter", "intra_all_gather", "inter_all_gather")
 QUICK_SIZES = (1024, 8192, 65536)
 QUICK_TOPK_SIZES = (1000, 10000, 100000)
 QUICK_REPS = 3
@@ -205,6 +225,14 @@ def build_parser():
                              f"(default {DEFAULT_REPS})")
     parser.add_argument("--warmup", type=_non_negative_int, default=None,
                         help=f"untimed calls before each point (default {DEFAULT_WARMUP})")
+    parser.add_argument("--topology", choices=topology.TOPOLOGIES, default="auto",
+                        help="auto (default): also measure the intra- and inter-node link "
+                             "classes when there is more than one node and more than one "
+                             "rank per node; hierarchical: measure them whenever there are "
+                             "at least 2 ranks per node; flat: never (as the hook's option)")
+    parser.add_argument("--ranks-per-node", type=_positive_int, default=None,
+                        help="ranks per node, consecutive ranks forming a node "
+                             "(default: torchrun's LOCAL_WORLD_SIZE)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sweep (3 sizes, 3 reps) for tests and smoke checks")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
@@ -526,6 +554,52 @@ def _ensure_launch_environment():
     return True
 
 
+def resolve_link_topology(topology_option, ranks_per_node, env=None):
+    """The :class:`~omgs_hook.topology.Topology` whose two link classes are measured, or
+    None for a flat profile (the hook's resolution: ``topology.resolve_topology`` with the
+    launcher's ``WORLD_SIZE``/``RANK``; ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE``).
+
+    Raises SystemExit naming the option for a bad combination, before any process group
+    exists. ``hierarchical`` asked for explicitly needs at least 2 ranks per node (one rank
+    per node is the flat model: the profile file's ``ranks_per_node`` must be >= 2)."""
+    env = os.environ if env is None else env
+    world_size, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+    try:
+        topo = topology.resolve_topology(topology_option, ranks_per_node, world_size, rank,
+                                         env=env)
+    except ValueError as error:
+        text = str(error)
+        for name, flag in (("ranks_per_node", "--ranks-per-node"), ("topology", "--topology")):
+            if text.startswith(name):
+                text = flag + text[len(name):]
+                break
+        raise SystemExit(f"omgs-profile: {text}") from None
+    if not topo.hierarchical:
+        return None
+    if topo.ranks_per_node < 2:
+        raise SystemExit(f"omgs-profile: --topology hierarchical: needs at least 2 ranks per "
+                         f"node to measure the intra-node link class, got "
+                         f"{topo.ranks_per_node} (use --ranks-per-node)")
+    return topo
+
+
+def agree_on_topology(topo, device):
+    """Every rank must measure the same link classes (else the subgroups' ``new_group``
+    calls and the sweep's collectives wait for each other until the timeout): check the
+    resolved ranks per node (0 for a flat profile) with one MAX all-reduce of ``(L, -L)``,
+    on every rank alike, so every rank takes the same decision."""
+    mine = 0 if topo is None else topo.ranks_per_node
+    values = torch.tensor([mine, -mine], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    high, low = int(values[0]), -int(values[1])
+    if high != low:
+        def say(n):
+            return "flat" if n == 0 else f"{n} ranks per node"
+        raise SystemExit(f"omgs-profile: --ranks-per-node/--topology: the ranks disagree "
+                         f"({say(low)} .. {say(high)}); every rank must resolve the same "
+                         f"topology (every node the same LOCAL_WORLD_SIZE)")
+
+
 def choose_backend_and_device(backend, device_choice):
     """Backend: nccl when CUDA is available, else gloo; device: cuda:LOCAL_RANK for GPU runs."""
     if backend is None:
@@ -607,15 +681,16 @@ class Timer:
 # ---------------------------------------------------------------------------------------
 
 
-def packed_allgather_call(nbytes, device, generator):
-    """The hook's sparse-group collective for a per-rank contribution of ``nbytes``."""
+def packed_allgather_call(nbytes, device, generator, group=None):
+    """The hook's sparse-group collective for a per-rank contribution of ``nbytes``
+    (over ``group``, default the whole world)."""
     k = nbytes // (communicator.VALUE_BYTES + communicator.INDEX_BYTES)
     values = torch.randn(k, generator=generator).to(device)
     indices = torch.randint(0, communicator.MAX_INDEX, (k,), generator=generator).to(device)
 
     def call():
         payload = communicator.pack_sparse(values, indices)
-        future, _gathered = communicator.allgather_async(payload)
+        future, _gathered = communicator.allgather_async(payload, process_group=group)
         future.wait()
 
     return call
@@ -633,6 +708,39 @@ def dense_allreduce_call(nbytes, device, _generator):
     return call
 
 
+def intra_reduce_scatter_call(nbytes, device, generator, group):
+    """The two-level exchange's first stage: the reduce-scatter, over the node's L ranks
+    (``group``), of a dense float32 buffer of ``L * S`` elements; ``nbytes = 4 * S`` is
+    the rank's shard, the bytes the cost model prices ``intra`` by."""
+    shard = max(1, nbytes // 4)
+    ranks = dist.get_world_size(group)
+    source = torch.randn(ranks * shard, generator=generator).to(device)
+    out = torch.empty(shard, device=device)
+
+    def call():
+        communicator.reduce_scatter_flat(out, source, group=group, async_op=True).wait()
+
+    return call
+
+
+def intra_all_gather_call(nbytes, device, generator, group):
+    """The two-level exchange's last stage: the all-gather, over the node's L ranks, of a
+    float32 payload of ``nbytes`` per rank (the bytes the cost model prices ``intra`` by)."""
+    payload = torch.randn(max(1, nbytes // 4), generator=generator).to(device)
+
+    def call():
+        communicator.allgather_async(payload, process_group=group)[0].wait()
+
+    return call
+
+
+def inter_all_gather_call(nbytes, device, generator, group):
+    """The two-level exchange's sparse stage: the packed all-gather of :func:`
+    packed_allgather_call` among the N ranks with this rank's local rank (``group``).
+    Every rank runs it at once, so the node's L inter-node groups share its link."""
+    return packed_allgather_call(nbytes, device, generator, group)
+
+
 def topk_call(selector, numel, density, device, generator):
     x = torch.randn(numel, generator=generator).to(device)
     k = selected_k(numel, density)
@@ -647,33 +755,46 @@ def _median(values):
     return float(statistics.median(values))
 
 
-def measure(settings, topk_backends, density, device, progress):
+def measure(settings, topk_backends, density, device, progress, subgroups=None):
     """Run the sweep on the process group; returns (samples, sweep records, seconds spent).
 
+    subgroups: this rank's :class:`~omgs_hook.topology.Subgroups` on a multi-GPU-node
+    world (the two link classes are measured too, :data:`LINK_SECTIONS`), else None.
     The samples and records are identical on every rank (all times are agreed).
     """
     from omgs_hook.topk import get_selector
 
     timer = Timer(device)
     generator = torch.Generator().manual_seed(1234 + dist.get_rank())
+    weights = SECTION_WEIGHTS if subgroups is None else HIERARCHICAL_SECTION_WEIGHTS
 
-    def collective(make):
-        return timer.timing_source(lambda nbytes: make(nbytes, device, generator))
+    def collective(make, *group):
+        return timer.timing_source(lambda nbytes: make(nbytes, device, generator, *group))
 
     def selection(selector):
         return timer.timing_source(
             lambda numel: topk_call(selector, numel, density, device, generator)[0])
 
-    parts = [("all_gather", SECTION_WEIGHTS["all_gather"], settings.sizes,
+    parts = [("all_gather", weights["all_gather"], settings.sizes,
               collective(packed_allgather_call)),
-             ("all_reduce", SECTION_WEIGHTS["all_reduce"], settings.sizes,
+             ("all_reduce", weights["all_reduce"], settings.sizes,
               collective(dense_allreduce_call))]
+    if subgroups is not None:
+        # every rank runs the same sections in the same order: its own node's intra group,
+        # its own local rank's inter group - all groups of a kind at the same time
+        parts += [("intra_reduce_scatter", weights["intra_reduce_scatter"], settings.sizes,
+                   collective(intra_reduce_scatter_call, subgroups.intra)),
+                  ("intra_all_gather", weights["intra_all_gather"], settings.sizes,
+                   collective(intra_all_gather_call, subgroups.intra)),
+                  ("inter_all_gather", weights["inter_all_gather"], settings.sizes,
+                   collective(inter_all_gather_call, subgroups.inter))]
     for backend in topk_backends:
-        parts.append((f"topk:{backend}", SECTION_WEIGHTS["topk"] / len(topk_backends),
+        parts.append((f"topk:{backend}", weights["topk"] / len(topk_backends),
                       settings.topk_sizes, selection(get_selector(backend, device))))
     rows, records, spent = run_sweep(parts, settings.time_budget_s, settings, progress)
+    collectives = ("all_gather", "all_reduce") + (() if subgroups is None else LINK_SECTIONS)
     samples = {name: [{"bytes": size, "seconds": list(seconds)} for size, seconds in rows[name]]
-               for name in ("all_gather", "all_reduce")}
+               for name in collectives}
     samples["topk"] = {}
     for backend in topk_backends:
         samples["topk"][backend] = [
@@ -702,6 +823,8 @@ def fit_samples(samples):
         fits[key] = fit
         errors[key] = [{"bytes": r["bytes"], "median_s": m, "rel_error": e}
                        for r, m, e in zip(rows, medians, fit.rel_errors)]
+    if all(name in samples for name in LINK_SECTIONS):
+        fits.update(_fit_link_classes(samples, errors))
     fits["topk_all"], errors["topk"] = {}, {}
     for backend, rows in samples["topk"].items():
         medians = [_median(r["seconds"]) for r in rows]
@@ -713,6 +836,38 @@ def fit_samples(samples):
     return fits, errors
 
 
+def _fit_link_classes(samples, errors):
+    """``intra``, ``inter`` and ``intra_parts`` of a multi-GPU-node sweep (see the module
+    docstring); adds their per-point errors to ``errors``.
+
+    ``intra`` is one line through the reduce-scatter's and the all-gather's points
+    together: the cost model charges both intra-node collectives ``intra`` per byte each
+    rank contributes (the shard for the reduce-scatter, the payload for the all-gather),
+    and the points are placed at exactly those sizes. ``intra_parts`` keeps each
+    collective's own line for people (not read by ``load_profile``)."""
+    fits, parts = {}, {}
+    x, t, tags = [], [], []
+    for part, name in (("reduce_scatter", "intra_reduce_scatter"),
+                       ("all_gather", "intra_all_gather")):
+        rows = samples[name]
+        medians = [_median(r["seconds"]) for r in rows]
+        parts[part] = fit_linear_relative([r["bytes"] for r in rows], medians,
+                                          robust=ROBUST_FIT)
+        x += [r["bytes"] for r in rows]
+        t += medians
+        tags += [part] * len(rows)
+    intra = fit_linear_relative(x, t, robust=ROBUST_FIT)
+    fits["intra"], fits["intra_parts"] = intra, parts
+    errors["intra"] = [{"collective": tag, "bytes": b, "median_s": m, "rel_error": e}
+                       for tag, b, m, e in zip(tags, x, t, intra.rel_errors)]
+    rows = samples["inter_all_gather"]
+    medians = [_median(r["seconds"]) for r in rows]
+    fits["inter"] = fit_linear_relative([r["bytes"] for r in rows], medians, robust=ROBUST_FIT)
+    errors["inter"] = [{"bytes": r["bytes"], "median_s": m, "rel_error": e}
+                       for r, m, e in zip(rows, medians, fits["inter"].rel_errors)]
+    return fits
+
+
 def _cupy_version():
     try:
         import cupy
@@ -722,9 +877,24 @@ def _cupy_version():
 
 
 def build_document(*, samples, fits, errors, default_backend, world_size, backend, device,
-                   settings, sweep=None):
+                   settings, sweep=None, topo=None):
+    """The profile document; ``topo`` (a hierarchical :class:`~omgs_hook.topology.Topology`,
+    with ``fits`` holding ``intra``/``inter``) adds the two link classes - ``ranks_per_node``,
+    ``intra``, ``inter`` (read by ``load_profile``), ``topology`` and ``intra_parts``
+    (records) - after ``dense``; without it the document has none of these keys."""
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     topk = fits["topk_all"][default_backend]
+    links = {}
+    if topo is not None:
+        links = {
+            "ranks_per_node": topo.ranks_per_node,
+            "intra": fits["intra"].to_cost().to_dict(),
+            "inter": fits["inter"].to_cost().to_dict(),
+            "topology": {"kind": topo.kind, "nodes": topo.nodes,
+                         "ranks_per_node": topo.ranks_per_node, "requested": topo.requested},
+            "intra_parts": {name: fit.to_cost().to_dict()
+                            for name, fit in fits["intra_parts"].items()},
+        }
     return {
         "schema_version": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -736,6 +906,7 @@ def build_document(*, samples, fits, errors, default_backend, world_size, backen
         "cupy_version": _cupy_version(),
         "comm": fits["comm"].to_cost().to_dict(),
         "dense": fits["dense"].to_cost().to_dict(),
+        **links,
         "topk": {"backend": default_backend, "c0": topk.c0, "c1": topk.c1, "c2": topk.c2},
         "topk_all": {name: {"c0": f.c0, "c1": f.c1, "c2": f.c2, "form": f.form}
                      for name, f in fits["topk_all"].items()},
@@ -784,6 +955,22 @@ def plot_profile(document, path):
             far = np.geomspace(x.max(), top, 20)
             left.plot(far, alpha + beta * far, "--", color=color,
                       label="extrapolated (not measured: time budget)")
+    if "intra" in document:  # the two link classes of a multi-GPU-node profile
+        for name, key, color, marker in (
+                ("intra reduce-scatter", "intra_reduce_scatter", "tab:green", "s"),
+                ("intra all-gather", "intra_all_gather", "tab:green", "^"),
+                ("inter all-gather (packed)", "inter_all_gather", "tab:red", "o")):
+            rows = samples[key]
+            x = np.array([r["bytes"] for r in rows], dtype=float)
+            med = np.array([_median(r["seconds"]) for r in rows])
+            left.plot(x, med, marker, color=color, fillstyle="none", label=f"{name}: median")
+        for key, color in (("intra", "tab:green"), ("inter", "tab:red")):
+            rows = samples["inter_all_gather" if key == "inter" else "intra_all_gather"]
+            x = np.array([r["bytes"] for r in rows], dtype=float)
+            alpha, beta = document[key]["alpha_s"], document[key]["beta_s_per_byte"]
+            line_x = np.geomspace(x.min(), x.max(), 100)
+            left.plot(line_x, alpha + beta * line_x, "-", color=color,
+                      label=f"{key} fit {alpha * 1e3:.3g} ms + {beta * 1e9:.3g} ns/B")
     left.set(xscale="log", yscale="log", xlabel="bytes per rank", ylabel="seconds (slowest rank)",
              title=f"collectives: {document['backend']}, {document['world_size']} ranks")
     left.grid(True, which="both", alpha=0.3)
@@ -828,6 +1015,14 @@ def _summary(document, out, plot_path, elapsed):
         worst = max(abs(p["rel_error"]) for p in document["fit_errors"][key])
         lines.append(f"  {label:<10} alpha = {fit['alpha_s'] * 1e3:.4g} ms, beta = "
                      f"{fit['beta_s_per_byte'] * 1e9:.4g} ns/B (worst point {worst:.0%} off)")
+    if "intra" in document:
+        t = document["topology"]
+        lines.append(f"  two link classes: {t['nodes']} nodes x {t['ranks_per_node']} ranks")
+        for key, label in (("intra", "intra"), ("inter", "inter")):
+            fit = document[key]
+            worst = max(abs(p["rel_error"]) for p in document["fit_errors"][key])
+            lines.append(f"  {label:<10} alpha = {fit['alpha_s'] * 1e3:.4g} ms, beta = "
+                         f"{fit['beta_s_per_byte'] * 1e9:.4g} ns/B (worst point {worst:.0%} off)")
     for backend, c in document["topk_all"].items():
         worst = max(abs(p["rel_error"]) for p in document["fit_errors"]["topk"][backend])
         mark = " (default)" if backend == document["topk"]["backend"] else ""
@@ -876,6 +1071,7 @@ def main(argv=None):
     default_backend = auto_backend if auto_backend in topk_backends else topk_backends[0]
     # only now, once every option is known to be usable
     single = _ensure_launch_environment()
+    topo = resolve_link_topology(args.topology, args.ranks_per_node)
 
     init = {"backend": backend, "timeout": datetime.timedelta(seconds=args.timeout)}
     if device.type == "cuda":
@@ -886,7 +1082,16 @@ def main(argv=None):
         if rank == 0 and single:
             print("omgs-profile: no launcher environment, running as a single rank "
                   "(collective figures say nothing about a network)", file=sys.stderr)
-        steps = 2 * len(settings.sizes) + len(topk_backends) * len(settings.topk_sizes)
+        subgroups = None
+        agree_on_topology(topo, device)
+        if topo is not None:
+            subgroups = topology.build_subgroups(topo)
+            if rank == 0 and topo.nodes == 1:
+                print("omgs-profile: --topology hierarchical on one node: the inter-node "
+                      "groups have one rank each, so inter says nothing about a network",
+                      file=sys.stderr)
+        sections = 2 + (len(LINK_SECTIONS) if topo is not None else 0)
+        steps = sections * len(settings.sizes) + len(topk_backends) * len(settings.topk_sizes)
         progress = _NoProgress()
         if rank == 0 and not args.no_progress:
             try:
@@ -898,7 +1103,7 @@ def main(argv=None):
         started = time.perf_counter()
         try:
             samples, records, spent = measure(settings, topk_backends, args.density, device,
-                                              progress)
+                                              progress, subgroups)
         finally:
             progress.close()
         elapsed = time.perf_counter() - started
@@ -929,7 +1134,7 @@ def main(argv=None):
             document = build_document(samples=samples, fits=fits, errors=errors,
                                       default_backend=default_backend, world_size=world_size,
                                       backend=backend, device=device, settings=run_settings,
-                                      sweep=sweep)
+                                      sweep=sweep, topo=topo)
             profile_from_dict(document, args.out)  # never write a file load_profile rejects
             write_json_atomically(args.out, document)
             plot_path = None
