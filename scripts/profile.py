@@ -4,7 +4,10 @@
 
 The default sweep is adaptive: message and top-k sizes double until the next one would
 not fit in its share of ``--time-budget`` (30 s of measuring by default); a sweep the
-budget cut short says so and records where and why. See ``omgs_hook.profile_run`` (or
+budget cut short says so and records where and why. On more than one node with more
+than one rank per node (``--topology auto``, ``--ranks-per-node`` defaulting to torchrun's
+``LOCAL_WORLD_SIZE``) it also measures the intra- and inter-node link classes of the
+two-level exchange (``ranks_per_node``, ``intra``, ``inter`` in the profile). See ``omgs_hook.profile_run`` (or
 ``--help``) for what is measured and the options, and docs/calibration.md.
 """
 
