@@ -6,8 +6,10 @@ library: float64, a stable sort for top-k, each node's sum formed directly.
 """
 
 import gc
+import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -130,6 +132,9 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
     ddp = DDP(model, bucket_cap_mb=0, **ddp_options)
     state = omgs_hook.register(ddp, density=DENSITY, **hook_options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     worst = {"grad": 0.0, "residual": 0.0, "conservation": 0.0, "parked_changed": 0}
     per_step = []
     for step in range(steps):
@@ -198,10 +203,12 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
     params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     stats = state.stats()
     summary = state.summary()
+    caught.__exit__(None, None, None)
+    two_level_warnings = sum("planning with the flat costs" in str(w.message) for w in seen)
     del ddp, state
     gc.collect()
     return {"worst": worst, "per_step": per_step, "stats": stats, "params": params,
-            "summary": summary}
+            "summary": summary, "two_level_warnings": two_level_warnings}
 
 
 def resume_worker(rank, world_size, ckpt_dir, first, second):
@@ -356,14 +363,26 @@ def _check_reference(results):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-def test_two_level_matches_reference_across_plan_changes():
+def test_two_level_matches_reference_across_plan_changes(tmp_path):
     # topology="auto" with torchrun's LOCAL_WORLD_SIZE; the measured selection switches
-    # plans between steps (shard boundaries move, residuals migrate)
+    # plans between steps (shard boundaries move, residuals migrate). The profile has
+    # both link classes, so the planner models the two-level exchange.
+    profile = tmp_path / "two_level.json"
+    profile.write_text(json.dumps({
+        "schema_version": 1, "world_size": WORLD, "backend": "gloo", "device": "cpu",
+        "comm": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7},
+        "dense": {"alpha_s": 5e-4, "beta_s_per_byte": 4e-7},
+        "topk": {"backend": "sampled", "c0": 2e-4, "c1": 3e-9, "c2": 0.0},
+        "ranks_per_node": PER_NODE,
+        "intra": {"alpha_s": 2e-5, "beta_s_per_byte": 1e-10},
+        "inter": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7}}))
     results = run_ranks("test_hierarchical", "reference_worker", world_size=WORLD, timeout=130,
-                        hook_options={"strategy": "optimal", "warmup_steps": 1},
+                        hook_options={"strategy": "optimal", "warmup_steps": 1,
+                                      "profile": str(profile)},
                         ddp_options={"gradient_as_bucket_view": True}, steps=9,
                         env_local_world_size=PER_NODE)
     _check_reference(results)
+    assert all(r["stats"]["planned_with"]["two_level_model"] is True for r in results)
     steps = results[0]["per_step"]
     assert steps[0]["inter"] > 0 and steps[0]["groups"] == steps[0]["dense"]  # the warm-up
     sparse_steps = [s for s in steps if s["dense"] < s["groups"]]
@@ -386,6 +405,10 @@ def test_two_level_find_unused_parameters_no_sync_and_bf16_gradients():
                         ddp_options={"find_unused_parameters": True}, steps=5, accumulate=True,
                         skip_b_on_odd_steps=True, dtype=torch.bfloat16)
     _check_reference(results)
+    # the default profile has no intra/inter link classes: planned with the flat costs
+    # (with a RuntimeWarning, once), the exchange is two-level all the same
+    assert all(r["stats"]["planned_with"]["two_level_model"] is False for r in results)
+    assert all(r["two_level_warnings"] == 1 for r in results)
 
 
 @pytest.mark.multiprocess

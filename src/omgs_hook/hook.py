@@ -64,7 +64,8 @@ from . import plan_selection
 from . import planner as planner_mod
 from . import topk as topk_mod
 from . import topology as topology_mod
-from .cost_model import Instance, InstanceError, LinearCost, TopkCost, Unit, check_groups
+from .cost_model import (Instance, InstanceError, LinearCost, TopkCost, Unit, check_groups,
+                         hierarchical_instance)
 from .background_planner import BackgroundPlanner
 from .group_exchange import StepExchange
 from .group_plan import GroupPlan
@@ -452,6 +453,7 @@ class OMGSState:
         self._plan_job = None  # the inputs of the plan being computed (plain values)
         self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
         self._coarse_warned = False
+        self._two_level_warned = False
         self._last = None
         self._last_exchange = None
         self._plan_instance = None  # (layout, Instance) of the last re-plan
@@ -972,13 +974,40 @@ class OMGSState:
             dense=dense,
             tail_s=tail_s,
         )
+        two_level = self._two_level_costs()
+        if two_level is not None:
+            # the two-level exchange: its sparse groups follow the two-level timeline
+            # (reduce-scatter and shard top-k, inter-node then intra-node all-gather)
+            instance = hierarchical_instance(instance, *two_level)
         inputs = {"forward_s": forward_s, "tail_s": tail_s, "group_overhead_s": per_group,
                   "group_overhead_s_per_element": per_element,
                   "overhead_measured": overhead_known,
                   "correction": correction.to_dict() if correction is not None else None,
                   "writeback_s": wb_group, "writeback_s_per_element": wb_element,
-                  "comm_override": network if network is not self.profile.comm else None}
+                  "comm_override": network if network is not self.profile.comm else None,
+                  "two_level_model": two_level is not None}
         return instance, inputs
+
+    def _two_level_costs(self):
+        """``(ranks_per_node, intra, inter)`` for planning a two-level exchange with the
+        profile's two link classes, or None: flat topology, or a profile without them
+        (then the flat costs stand in, warned about once, and the measured selection
+        still times the real plans)."""
+        topo = self.topology
+        if topo is None or not topo.hierarchical or topo.ranks_per_node < 2:
+            return None
+        hierarchy = self.profile.hierarchy()
+        if hierarchy is None or hierarchy.ranks_per_node != topo.ranks_per_node:
+            if not self._two_level_warned:
+                self._two_level_warned = True
+                found = ("no intra/inter link classes" if hierarchy is None else
+                         f"ranks_per_node={hierarchy.ranks_per_node}")
+                warnings.warn(
+                    f"omgs_hook: topology {topo.describe()} but the profile has {found}; "
+                    "planning with the flat costs (run omgs-profile on this cluster to "
+                    "measure both link classes)", RuntimeWarning, stacklevel=2)
+            return None
+        return topo.ranks_per_node, hierarchy.intra, hierarchy.inter
 
     def _timeline_table(self, layout):
         """This rank's per-step timelines for ``layout`` as a flat fixed-size row (a
