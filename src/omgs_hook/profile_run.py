@@ -735,8 +735,8 @@ def intra_all_gather_call(nbytes, device, generator, group):
 
 
 def inter_all_gather_call(nbytes, device, generator, group):
-    """The two-level exchange's sparse stage: the packed all-gather of :func:`
-    packed_allgather_call` among the N ranks with this rank's local rank (``group``).
+    """The two-level exchange's sparse stage: the packed all-gather of
+    :func:`packed_allgather_call` among the N ranks with this rank's local rank (``group``).
     Every rank runs it at once, so the node's L inter-node groups share its link."""
     return packed_allgather_call(nbytes, device, generator, group)
 
