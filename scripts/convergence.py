@@ -436,12 +436,8 @@ def summarise(runs, epochs):
             "mean_test_loss": statistics.fmean(r["final_test_loss"] for r in group),
             "gap_pp": None if reference_mean is None else 100 * (mean - reference_mean),
             "paired_gaps_pp": [100 * g for g in paired],
-            "bytes_sent_per_step": statistics.fmean(
-                r["bytes_sent_per_step"] for r in group if r["bytes_sent_per_step"] is not None)
-            if any(r["bytes_sent_per_step"] is not None for r in group) else None,
-            "median_iter_s": statistics.median(r["median_iter_s"] for r in group
-                                               if r["median_iter_s"] is not None)
-            if any(r["median_iter_s"] is not None for r in group) else None,
+            "bytes_sent_per_step": _present(statistics.fmean, group, "bytes_sent_per_step"),
+            "median_iter_s": _present(statistics.median, group, "median_iter_s"),
             "nonfinite_steps": sum(r.get("nonfinite_steps") or 0 for r in group),
             "last_step_density": [r.get("last_step_density") for r in group],
             "plan_groups": [r.get("plan_groups") for r in group],
@@ -450,6 +446,12 @@ def summarise(runs, epochs):
     order = {REFERENCE: 0}
     rows.sort(key=lambda row: (order.get(row["config"], 1), row["config"]))
     return rows
+
+
+def _present(reduce, runs, key):
+    """``reduce`` over the runs' ``key`` values that are not None (None if there are none)."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return reduce(values) if values else None
 
 
 def target_met(row):
@@ -462,14 +464,16 @@ def epoch_counts(data):
     return sorted({r["epochs"] for r in data["runs"]})
 
 
-def render(data, plot_name):
-    """The generated Markdown: the plot, then one table per schedule length."""
+def render(data, plot_name, text=False):
+    """The generated Markdown: the plot, then one table per schedule length (``text``:
+    the language model's bits-per-character tables)."""
     if not data["runs"]:
-        return "_No convergence results yet: run `python scripts/convergence.py`._\n"
-    sections = [f"![loss and accuracy curves]({plot_name})\n"]
-    for epochs in epoch_counts(data):
-        sections.append(render_epochs(data, epochs))
-    return "\n".join(sections)
+        command = "python scripts/convergence.py" + (" --model lstm" if text else "")
+        return f"_No {'LSTM' if text else 'convergence'} results yet: run `{command}`._\n"
+    alt = "validation bits per character" if text else "loss and accuracy curves"
+    one = render_text_epochs if text else render_epochs
+    return "\n".join([f"![{alt}]({plot_name})\n"]
+                     + [one(data, epochs) for epochs in epoch_counts(data)])
 
 
 def render_epochs(data, epochs):
@@ -508,17 +512,10 @@ def render_epochs(data, epochs):
             f"{', '.join(map(str, groups)) or '-'} | "
             f"{'-' if sent is None else f'{sent / 1e3:.1f} kB'} | {verdict} |")
     out.append("")
-    planned = [r for r in runs if r.get("plan_history")]
-    if planned:
-        out.append("Plans each run used (first step: strategy, groups of buckets, dense "
-                   "groups, how it was chosen); a run is reproducible bit for bit on the same "
-                   "machine when its plan is pinned (`--plan`, the hook's `plan=`):\n")
-        for run in sorted(planned, key=lambda r: (r["config"], r["seed"])):
-            steps = "; ".join(
-                f"step {e['step']}: {e['strategy']} {len(e['group_sizes'])} groups"
-                f" ({sum(e['dense'])} dense, {e['reason']})" for e in run["plan_history"])
-            out.append(f"- {run['config']} seed {run['seed']}: {steps}")
-        out.append("")
+    out += plan_lines(runs, "Plans each run used (first step: strategy, groups of buckets, "
+                            "dense groups, how it was chosen); a run is reproducible bit for "
+                            "bit on the same machine when its plan is pinned (`--plan`, the "
+                            "hook's `plan=`):\n")
     profiles = {}
     for run in runs:
         costs = run.get("profile_costs")
@@ -532,6 +529,21 @@ def render_epochs(data, epochs):
                    f"all-reduce alpha {1e3 * dense.get('alpha_s', float('nan')):.3g} ms, "
                    f"beta {1e9 * dense.get('beta_s_per_byte', float('nan')):.3g} ns/B.\n")
     return "\n".join(out) + "\n"
+
+
+def plan_lines(runs, intro):
+    """Markdown lines listing every plan each run used (none without plan histories)."""
+    planned = sorted((r for r in runs if r.get("plan_history")),
+                     key=lambda r: (r["config"], r["seed"]))
+    if not planned:
+        return []
+    lines = [intro]
+    for run in planned:
+        steps = "; ".join(
+            f"step {e['step']}: {e['strategy']} {len(e['group_sizes'])} groups"
+            f" ({sum(e['dense'])} dense, {e['reason']})" for e in run["plan_history"])
+        lines.append(f"- {run['config']} seed {run['seed']}: {steps}")
+    return lines + [""]
 
 
 def plot(data, path):
@@ -635,12 +647,8 @@ def summarise_text(runs, epochs):
                                 for b, r in zip(bits, group) if r["seed"] in reference],
             "target_pct": None if density is None else bpc_target_pct(density),
             "achieved_density": [r.get("achieved_density") for r in group],
-            "bytes_sent_per_step": statistics.fmean(
-                r["bytes_sent_per_step"] for r in group if r["bytes_sent_per_step"] is not None)
-            if any(r["bytes_sent_per_step"] is not None for r in group) else None,
-            "median_iter_s": statistics.median(r["median_iter_s"] for r in group
-                                               if r["median_iter_s"] is not None)
-            if any(r["median_iter_s"] is not None for r in group) else None,
+            "bytes_sent_per_step": _present(statistics.fmean, group, "bytes_sent_per_step"),
+            "median_iter_s": _present(statistics.median, group, "median_iter_s"),
             "residual_to_gradient": feedback,
             "staleness_max": [s["max"] for s in stale],
             "staleness_mean": [s["mean"] for s in stale],
@@ -662,15 +670,6 @@ def _span(values, fmt):
         return "-"
     low, high = min(values), max(values)
     return format(low, fmt) if low == high else f"{format(low, fmt)}-{format(high, fmt)}"
-
-
-def render_text(data, plot_name):
-    if not data["runs"]:
-        return "_No LSTM results yet: run `python scripts/convergence.py --model lstm`._\n"
-    sections = [f"![validation bits per character]({plot_name})\n"]
-    for epochs in epoch_counts(data):
-        sections.append(render_text_epochs(data, epochs))
-    return "\n".join(sections)
 
 
 def render_text_epochs(data, epochs):
@@ -723,16 +722,8 @@ def render_text_epochs(data, epochs):
                      for n in names]
             out.append(f"| {epochs_at[i]:g} | " + " | ".join(cells) + " |")
         out.append("")
-    planned = [r for r in runs if r.get("plan_history")]
-    if planned:
-        out.append("Plans each run used (first step: strategy, groups, dense groups, how it "
-                   "was chosen):\n")
-        for run in sorted(planned, key=lambda r: (r["config"], r["seed"])):
-            steps_text = "; ".join(
-                f"step {e['step']}: {e['strategy']} {len(e['group_sizes'])} groups"
-                f" ({sum(e['dense'])} dense, {e['reason']})" for e in run["plan_history"])
-            out.append(f"- {run['config']} seed {run['seed']}: {steps_text}")
-        out.append("")
+    out += plan_lines(runs, "Plans each run used (first step: strategy, groups, dense "
+                            "groups, how it was chosen):\n")
     return "\n".join(out) + "\n"
 
 
@@ -789,7 +780,8 @@ def report(args, data):
                                 os.path.dirname(os.path.abspath(args.doc)))
     if args.model in TEXT_MODELS:
         # its own section of the same document: the LSTM tables sit beside the CNN ones
-        write_doc(args.doc, render_text(data, plot_name), f"scripts/convergence.py --model {args.model}")
+        write_doc(args.doc, render(data, plot_name, text=True),
+                  f"scripts/convergence.py --model {args.model}")
         if data["runs"]:
             plot_text(data, args.plot)
         for epochs in epoch_counts(data):

@@ -395,6 +395,6 @@ def test_convergence_bits_per_character_summary_and_targets():
     assert sparse["target_pct"] == 3.0 and convergence.text_target_met(sparse)
     assert rows["omgs:0.01"]["target_pct"] == 1.0 and not convergence.text_target_met(rows["omgs:0.01"])
     assert convergence.text_curves(runs[0])["eval_epoch"] == [1.0, 2.0]
-    text = convergence.render_text({"runs": runs}, "p.png")
+    text = convergence.render({"runs": runs}, "p.png", text=True)
     assert "### LSTM, 2 epochs (4 steps)" in text and "within 3%: met" in text
     assert "within 1%: **missed**" in text and "| 2 | 2.1000 |" in text
