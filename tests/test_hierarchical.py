@@ -124,23 +124,69 @@ def two_level_reference(local, old, groups, density, per_node, parked=()):
 
 # ----------------------------------------------------------------------------- workers
 def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumulate=False,
-                     skip_b_on_odd_steps=False, env_local_world_size=None, dtype=torch.float32):
+                     skip_b_on_odd_steps=False, env_local_world_size=None, dtype=torch.float32,
+                     preload=None, nonfinite_step=None, skip_b_parity=1):
+    """``preload``: ``{"options": hook options, "steps": n}`` - train n steps with another
+    hook state first and load its ``state_dict()`` (per-parameter residuals) into this
+    one. ``nonfinite_step``: at that step rank 3's input holds inf (checked, not
+    compared with the reference, no optimiser step)."""
+    from omgs_hook import hierarchical
+
     if env_local_world_size is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(env_local_world_size)
     torch.manual_seed(0)
     model, reference_model = Net().to(dtype), Net().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if preload is not None:
+        first = DDP(model, bucket_cap_mb=0, **ddp_options)
+        first_state = omgs_hook.register(first, density=DENSITY, **preload["options"])
+        for step in range(preload["steps"]):
+            x, y = batch(100 + step, rank)
+            opt.zero_grad()
+            loss_fn(first(x.to(dtype)), y.to(dtype)).backward()
+            opt.step()
+        saved = first_state.state_dict()
+        del first, first_state
+        gc.collect()
     ddp = DDP(model, bucket_cap_mb=0, **ddp_options)
     state = omgs_hook.register(ddp, density=DENSITY, **hook_options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if preload is not None:
+        state.load_state_dict(saved)
+    # which two-level dense groups were reduced in the bucket buffer itself
+    dense_paths = {"in_place": 0, "staged": 0}
+    finish_dense = hierarchical._finish_dense
+
+    def counting_finish_dense(ex, keys, averaged, segments, sent):
+        dense_paths["in_place" if segments is None else "staged"] += 1
+        return finish_dense(ex, keys, averaged, segments, sent)
+
+    hierarchical._finish_dense = counting_finish_dense
     caught = warnings.catch_warnings(record=True)
     seen = caught.__enter__()
     warnings.simplefilter("always")
     worst = {"grad": 0.0, "residual": 0.0, "conservation": 0.0, "parked_changed": 0}
     per_step = []
+    nonfinite_log = None
     for step in range(steps):
         micro = [tuple(t.to(dtype) for t in batch(step, rank, m))
                  for m in range(2 if accumulate else 1)]
-        skip_b = skip_b_on_odd_steps and step % 2 == 1
+        skip_b = skip_b_on_odd_steps and step % 2 == skip_b_parity
+        if step == nonfinite_step:
+            x, y = micro[-1]
+            if rank == 3:
+                x[0, 0] = float("inf")
+            before = flat_residuals(state)
+            opt.zero_grad()
+            loss_fn(ddp(x, skip_b), y).backward()
+            after = flat_residuals(state)
+            last = state.stats()["last"]
+            nonfinite_log = {
+                "nonfinite": last["nonfinite"], "dense_groups": last["dense_groups"],
+                "grads_finite": all(bool(torch.isfinite(p.grad).all())
+                                    for p in model.parameters() if p.grad is not None),
+                "residual_unchanged": before.keys() == after.keys() and all(
+                    torch.equal(before[k], after[k]) for k in before)}
+            continue
         reference_model.load_state_dict(model.state_dict())
         reference_model.zero_grad()
         for x, y in micro:
@@ -159,7 +205,6 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
         last = state.stats()["last"]
         groups = list(zip(last["group_keys"], last["group_dense"]))
         unused = {n for n, p in reference_model.named_parameters() if p.grad is None}
-        dense_names = {n for keys, d in groups if d for n in keys}
         avg, new = two_level_reference(all_local, all_old, groups, last["step_density"],
                                        PER_NODE, parked=unused)
         got = flat_residuals(state)
@@ -174,11 +219,9 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
             # reference may round to neighbouring bf16 values)
             expected = avg[name].to(dtype).double()
             slack = 0.0 if dtype == torch.float32 else avg[name].abs() * 2.0 ** -8
-            if dtype == torch.float32 or name not in dense_names:
-                # (a dense bf16 group is all-reduced in bf16, as DDP's own hook does: its
-                # partial sums round on the way; tests/test_hook_ddp.py covers that path)
-                worst["grad"] = max(worst["grad"], float(
-                    ((p.grad.reshape(-1).double() - expected).abs() - slack).max()))
+            # (two-level dense groups, too, sum in fp32 and round once on the write-back)
+            worst["grad"] = max(worst["grad"], float(
+                ((p.grad.reshape(-1).double() - expected).abs() - slack).max()))
             mine = got.get(name, torch.zeros(p.numel()))
             worst["residual"] = max(worst["residual"],
                                     float((mine - new[rank][name]).abs().max()))
@@ -198,6 +241,12 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
                          "inter": last["inter_node_bytes"], "intra": last["intra_node_bytes"],
                          "numels": [sum(dict(model.named_parameters())[n].numel() for n in keys)
                                     for keys, d in groups if not d],
+                         "dense_numels": [sum(dict(model.named_parameters())[n].numel()
+                                              for n in keys) for keys, d in groups if d],
+                         # residual the dense groups found (all ranks), by parameter
+                         "dense_old_mass": {n: sum(float(all_old[r][n].abs().sum())
+                                                   for r in range(world_size) if n in all_old[r])
+                                            for keys, d in groups if d for n in keys},
                          "residual_mass": sum(float(v.abs().sum()) for v in got.values())})
         opt.step()
     params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
@@ -205,10 +254,12 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
     summary = state.summary()
     caught.__exit__(None, None, None)
     two_level_warnings = sum("planning with the flat costs" in str(w.message) for w in seen)
+    hierarchical._finish_dense = finish_dense
     del ddp, state
     gc.collect()
     return {"worst": worst, "per_step": per_step, "stats": stats, "params": params,
-            "summary": summary, "two_level_warnings": two_level_warnings}
+            "summary": summary, "two_level_warnings": two_level_warnings,
+            "dense_paths": dense_paths, "nonfinite": nonfinite_log}
 
 
 def resume_worker(rank, world_size, ckpt_dir, first, second):
@@ -409,6 +460,61 @@ def test_two_level_find_unused_parameters_no_sync_and_bf16_gradients():
     # (with a RuntimeWarning, once), the exchange is two-level all the same
     assert all(r["stats"]["planned_with"]["two_level_model"] is False for r in results)
     assert all(r["two_level_warnings"] == 1 for r in results)
+
+
+def two_level_bytes(numel, dense):
+    """The documented per-rank counts of one two-level group (docs/hierarchical.md)."""
+    shard = -(-numel // PER_NODE)
+    if dense:
+        return (round(2 * 4 * shard * (NODES - 1) / NODES), 2 * (PER_NODE - 1) * 4 * shard)
+    payload = 4 * (2 * max(1, math.ceil(DENSITY * shard)) + 1)
+    return (NODES - 1) * payload, (PER_NODE - 1) * 4 * shard + (PER_NODE - 1) * NODES * payload
+
+
+GROUPS = [["c.bias"], ["c.weight"], ["b.bias", "b.weight"], ["a.bias", "a.weight"]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_two_level_dense_groups_match_reference():
+    # a pinned plan with three dense groups (c.bias: 5 elements, padded shards; c.weight:
+    # one bucket, reduced in place once it has no residual; b: two parameters) and one
+    # sparse group. The residuals come from an all-sparse run of the same groups, loaded
+    # per parameter, so the dense groups first send gradient + residual; b is unused on
+    # even steps (find_unused_parameters): at step 0 its loaded residual must stay, at
+    # step 1 go out with the dense sum; step 2 is non-finite.
+    sparse_plan = {"groups": GROUPS, "dense": [False] * 4}
+    mixed_plan = {"groups": GROUPS, "dense": [True, True, True, False]}
+    common = {"warmup_steps": 1, "topology": "hierarchical", "ranks_per_node": PER_NODE}
+    results = run_ranks("test_hierarchical", "reference_worker", world_size=WORLD, timeout=130,
+                        hook_options=dict(common, plan=mixed_plan),
+                        ddp_options={"find_unused_parameters": True}, steps=5,
+                        skip_b_on_odd_steps=True, skip_b_parity=0, nonfinite_step=2,
+                        preload={"options": dict(common, plan=sparse_plan), "steps": 3})
+    _check_reference(results)
+    sizes = {n: p.numel() for n, p in Net().named_parameters()}
+    for r in results:
+        steps = r["per_step"]  # the 4 finite steps (the non-finite one is checked below)
+        assert [s["dense"] for s in steps] == [3] * 4 and all(s["groups"] == 4 for s in steps)
+        assert steps[0]["residual_mass"] > 0
+        found = [s["dense_old_mass"] for s in steps]
+        # loaded residuals: sent by c's dense groups at step 0; b's kept (unused), sent at 1
+        assert found[0]["c.bias"] > 0 and found[0]["c.weight"] > 0 and found[0]["b.weight"] > 0
+        assert found[1]["b.weight"] == found[0]["b.weight"] and found[1]["c.weight"] == 0
+        assert all(v == 0 for v in found[2].values()), found
+        for s in steps:  # the documented counts, dense and sparse
+            inter = sum(two_level_bytes(n, True)[0] for n in s["dense_numels"]) + sum(
+                two_level_bytes(n, False)[0] for n in s["numels"])
+            intra = sum(two_level_bytes(n, True)[1] for n in s["dense_numels"]) + sum(
+                two_level_bytes(n, False)[1] for n in s["numels"])
+            assert (s["inter"], s["intra"]) == (inter, intra), s
+        assert sorted(steps[0]["dense_numels"]) == sorted(
+            [sizes["c.bias"], sizes["c.weight"], sizes["b.bias"] + sizes["b.weight"]])
+        # the in-place path ran (c.weight is a bucket of its own, even length)
+        assert r["dense_paths"]["in_place"] > 0 and r["dense_paths"]["staged"] > 0, r
+        bad = r["nonfinite"]
+        assert bad["nonfinite"] and bad["dense_groups"] == 3 and not bad["grads_finite"], bad
+        assert bad["residual_unchanged"], bad
 
 
 @pytest.mark.multiprocess

@@ -131,14 +131,70 @@ def test_schedule_agrees_with_simulate():
             timeline = simulate(inst, groups, list(flags))
             sched = schedule(inst, groups, list(flags))
             assert sched.tail[1] == pytest.approx(timeline.predicted_iteration_s, rel=1e-12)
-            for (start, end), is_dense in zip(sched.selection, flags):
-                assert (end == start) == is_dense
+            for (start, end), group, is_dense in zip(sched.selection, groups, flags):
+                numel = sum(inst.layers[u].numel for u in group)
+                # a dense group's compute-side interval is its reduce-scatter alone
+                expected = (inst.reduce_scatter_time(numel) if is_dense
+                            else inst.hierarchical_compute_time(numel))
+                assert end - start == pytest.approx(expected, rel=1e-9)
 
 
-def test_dense_groups_use_the_flat_all_reduce():
-    inst = Instance.from_dict(instance_dict(dense={"alpha_s": 1e-4, "beta_s_per_byte": 1e-9}))
+DENSE = {"alpha_s": 1e-4, "beta_s_per_byte": 1e-9}
+
+
+def test_dense_groups_use_the_two_level_dense_path():
+    inst = Instance.from_dict(instance_dict(dense=dict(DENSE)))
+    L, N, W = 4, 2, 8
+    shard = math.ceil(4001 / L)  # 1001
+    intra = LinearCost(**INTRA)
+    # inter_dense by default: the flat all-reduce's cost, scaled from one ring over W
+    # ranks to L rings over N ranks sharing the node link
+    derived = inst.inter_dense_cost()
+    scale = L * ((N - 1) / N) / ((W - 1) / W)
+    assert derived == LinearCost(1e-4, 1e-9 * scale)
     timeline = simulate(inst, [[0, 1]], [True])
-    assert timeline.comm_end_s == pytest.approx(3e-3 + 1e-4 + 1e-9 * 4 * 4001, rel=1e-12)
+    compute = 3e-3 + intra.time(4 * shard)  # backward, then the reduce-scatter
+    network = compute + derived.time(4 * shard) + intra.time(4 * shard)
+    assert timeline.compute_end_s == pytest.approx(compute, rel=1e-12)
+    assert timeline.comm_end_s == pytest.approx(network, rel=1e-12)
+    # an explicit inter_dense replaces the derived one, and round-trips
+    given = instance_dict(dense=dict(DENSE))
+    given["hierarchy"]["inter_dense"] = {"alpha_s": 3e-4, "beta_s_per_byte": 2e-9}
+    inst2 = Instance.from_dict(given)
+    assert inst2.inter_dense_cost() == LinearCost(3e-4, 2e-9)
+    assert Instance.from_dict(inst2.to_dict()) == inst2
+    assert "inter_dense" not in inst.to_dict()["hierarchy"]
+    assert simulate(inst2, [[0, 1]], [True]).comm_end_s == pytest.approx(
+        compute + 3e-4 + 2e-9 * 4 * shard + intra.time(4 * shard), rel=1e-12)
+    # mixed plan: the dense group's reduce-scatter delays the next group's compute
+    two = simulate(inst, [[0], [1]], [True, False])
+    c0 = 1e-3 + intra.time(4 * 250)
+    e0 = c0 + derived.time(4 * 250) + intra.time(4 * 250)
+    c1 = c0 + 2e-3 + inst.hierarchical_compute_time(3001)
+    e1 = max(e0, c1) + inst.hierarchical_comm_time(3001)
+    assert two.comm_end_s == pytest.approx(e1, rel=1e-12)
+    # bytes: the shard's all-reduce between nodes, 2 (N - 1) / N * 4 S
+    assert step_inter_node_bytes(inst, [[0, 1]], [True]) == round(2 * (N - 1) / N * 4 * shard)
+    # without a dense cost, a dense flag is still refused
+    with pytest.raises(InstanceError) as info:
+        simulate(Instance.from_dict(instance_dict()), [[0, 1]], [True])
+    assert info.value.field == "dense"
+
+
+@pytest.mark.parametrize("inter_dense, field", [
+    ({"alpha_s": -1, "beta_s_per_byte": 0}, "hierarchy.inter_dense.alpha_s"),
+    ({"alpha_s": 0}, "hierarchy.inter_dense.beta_s_per_byte"),
+    ("fast", "hierarchy.inter_dense"),
+])
+def test_bad_inter_dense_names_the_field(inter_dense, field):
+    d = instance_dict(dense=dict(DENSE))
+    d["hierarchy"]["inter_dense"] = inter_dense
+    with pytest.raises(InstanceError) as info:
+        Instance.from_dict(d)
+    assert info.value.field == field
+    with pytest.raises(InstanceError) as info:
+        Hierarchy(2, LinearCost(**INTRA), LinearCost(**INTER), {"alpha_s": 1})
+    assert info.value.field == "hierarchy.inter_dense"
 
 
 def test_inter_node_bytes():
@@ -193,6 +249,24 @@ def test_relaxed_costs_are_lower_bounds_and_exact_on_multiples():
                 assert relaxed.sparse_comm_time(D) == pytest.approx(exact_y, rel=1e-12)
 
 
+def test_relaxed_dense_cost_is_a_lower_bound():
+    rng = random.Random(6)
+    for _ in range(100):
+        inst = random_instance(rng, multiples=rng.random() < 0.5, dense=True)
+        if rng.random() < 0.5:
+            d = inst.to_dict()
+            d["hierarchy"]["inter_dense"] = {"alpha_s": rng.uniform(0, 1e-3),
+                                             "beta_s_per_byte": rng.uniform(0, 1e-7)}
+            inst = Instance.from_dict(d)
+        relaxed = relaxed_instance(inst)
+        L = inst.hierarchy.ranks_per_node
+        for D in [rng.randint(1, 10**6) for _ in range(20)] + [L * rng.randint(1, 10**5)]:
+            exact_y = inst.hierarchical_dense_comm_time(D)
+            assert relaxed.dense_comm_time(D) <= exact_y * (1 + 1e-12)
+            if D % L == 0:  # only the reduce-scatter (compute side) is left out
+                assert relaxed.dense_comm_time(D) == pytest.approx(exact_y, rel=1e-12)
+
+
 def test_relaxation_may_have_a_negative_c1():
     inst = Instance.from_dict(instance_dict(
         topk={"c0": 1e-5, "c1": 1e-10, "c2": 1e-9},
@@ -219,7 +293,7 @@ def partitions(n):
         yield groups
 
 
-def random_instance(rng, multiples, dense=False):
+def random_instance(rng, multiples, dense=False, inter_dense=False):
     L = rng.choice([2, 4, 8])
     n = rng.randint(1, 7)
     layers = [{"numel": rng.randint(1, 3000) * L if multiples else rng.randint(1, 20000),
@@ -236,6 +310,9 @@ def random_instance(rng, multiples, dense=False):
                              "beta_s_per_byte": rng.uniform(0, 1e-7)}})
     if dense:
         d["dense"] = {"alpha_s": rng.uniform(0, 1e-3), "beta_s_per_byte": rng.uniform(0, 2e-8)}
+    if inter_dense:
+        d["hierarchy"]["inter_dense"] = {"alpha_s": rng.uniform(0, 1e-3),
+                                         "beta_s_per_byte": rng.uniform(0, 1e-7)}
     return Instance.from_dict(d)
 
 
@@ -294,17 +371,43 @@ def test_ceil_rounding_can_make_the_relaxed_groups_suboptimal_but_bounded():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_dense_modes_are_exact_for_fixed_groups(seed):
+    # dense groups priced as the two-level dense path (derived or explicit inter_dense)
     rng = random.Random(300 + seed)
+    dense_chosen = 0
     for _ in range(15):
-        inst = random_instance(rng, multiples=rng.random() < 0.5, dense=True)
+        inst = random_instance(rng, multiples=rng.random() < 0.5, dense=True,
+                               inter_dense=rng.random() < 0.5)
         for groups in itertools.islice(partitions(inst.num_units), 8):
             modes = best_modes(inst, groups)
+            dense_chosen += any(modes)
             got = simulate(inst, groups, list(modes)).predicted_iteration_s
             best = min(simulate(inst, groups, list(f)).predicted_iteration_s
                        for f in itertools.product([False, True], repeat=len(groups)))
             assert got == pytest.approx(best, rel=1e-12)
         plan = make_plan(inst)
-        assert plan.predicted_iteration_s >= brute_force(inst) * (1 - 1e-12)
+        best = brute_force(inst)
+        assert plan.predicted_iteration_s >= best * (1 - 1e-12)
+        assert relaxed_lower_bound(inst) <= best * (1 + 1e-12)
+        for strategy in ("greedy", "single", "layerwise"):
+            assert plan.predicted_iteration_s <= make_plan(inst, strategy).predicted_iteration_s
+    assert dense_chosen  # the brute force covered plans with two-level dense groups
+
+
+def test_mode_search_trades_the_dense_reduce_scatter_against_top_k():
+    # a reduce-scatter so slow that a dense group, cheaper on the network, loses once its
+    # compute-side term is counted: the mode search must see it
+    layers = [{"numel": 4000, "backward_s": 1e-3}, {"numel": 4000, "backward_s": 1e-3}]
+    d = instance_dict(layers=layers, density=0.01, dense={"alpha_s": 0.0, "beta_s_per_byte": 0.0},
+                      topk={"c0": 1e-6, "c1": 0.0, "c2": 0.0})
+    d["hierarchy"]["intra"] = {"alpha_s": 0.0, "beta_s_per_byte": 1e-9}
+    cheap = Instance.from_dict(d)
+    assert best_modes(cheap, [[0], [1]]) == (True, True)
+    d["hierarchy"]["intra"] = {"alpha_s": 0.0, "beta_s_per_byte": 1e-6}
+    slow = Instance.from_dict(d)
+    modes = best_modes(slow, [[0], [1]])
+    best = min(itertools.product([False, True], repeat=2),
+               key=lambda f: simulate(slow, [[0], [1]], list(f)).predicted_iteration_s)
+    assert modes == best
 
 
 def test_every_strategy_accepts_a_two_level_instance():

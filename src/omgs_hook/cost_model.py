@@ -50,10 +50,10 @@ exact.
 
 Optional two-level (hierarchical) mode: when the instance carries ``hierarchy``
 (:class:`Hierarchy`: ``ranks_per_node`` L, and two link classes ``intra``/``inter``), the
-W ranks form N = W / L nodes and every *sparse* group runs the two-level exchange of
-``omgs_hook.hierarchical``: an intra-node reduce-scatter, the top-k of the rank's shard,
-a packed sparse all-gather among the N ranks with the same local rank, and an intra-node
-all-gather of those N payloads. With ``S(D) = ceil(D / L)`` (every shard has S elements,
+W ranks form N = W / L nodes and every group runs the two-level exchange of
+``omgs_hook.hierarchical``. A sparse group: an intra-node reduce-scatter, the top-k of
+the rank's shard, a packed sparse all-gather among the N ranks with the same local rank,
+and an intra-node all-gather of those N payloads. With ``S(D) = ceil(D / L)`` (every shard has S elements,
 the last one padded) and ``k_h(D) = selected_k(S(D), density)``:
 
 * compute:  ``c_j = c_{j-1} + B_j + t_rs(D_j) + t_s(S(D_j))``, with the reduce-scatter
@@ -68,9 +68,15 @@ Both link classes are priced per byte *each rank contributes* (as ``comm``): for
 reduce-scatter that is the rank's shard (``value_bytes * S``: the shard it receives and,
 in a ring, the volume it sends), for the all-gathers the payload it puts in. ``inter`` is
 fitted with all L local ranks running their all-gathers at once (they share the node's
-network link). Dense groups use the flat all-reduce over all W ranks (``dense``), exactly
-as the exchange does, so their cost terms do not change. :func:`relaxed_instance` gives
-the flat instance the planner searches for a hierarchical one (docs/cost-model.md).
+network link). Dense groups run the two-level dense path of the exchange: the same
+reduce-scatter (compute side, ``t_rs(D)``), then on the network an all-reduce of the
+shard among the nodes ``t_ar(D) = inter_dense.alpha + inter_dense.beta * value_bytes *
+S(D)`` and the intra-node all-gather of the reduced shards ``t_agd(D) = intra.alpha +
+intra.beta * value_bytes * S(D)``: ``c_j = c_{j-1} + B_j + t_rs(D_j)``, ``e_j =
+max(e_{j-1}, c_j) + t_ar(D_j) + t_agd(D_j)``. ``inter_dense`` defaults to the flat
+``dense`` cost scaled to the inter-node rings (:meth:`Instance.inter_dense_cost`).
+:func:`relaxed_instance` gives the flat instance the planner searches for a
+hierarchical one (docs/cost-model.md).
 
 Instances are validated on construction; bad input raises :class:`InstanceError`, whose
 message starts with the offending field, e.g. ``layers[2].numel: must be a positive
@@ -266,11 +272,16 @@ class Hierarchy:
         inter: cost of the packed sparse all-gather among the ``world_size / L`` ranks
             with the same local rank, per byte each rank contributes, measured while
             all L local ranks of a node run theirs at the same time.
+        inter_dense: optional cost of the inter-node *all-reduce* of a dense group's
+            shard among those ranks, per byte of the shard (``value_bytes * S``), with
+            all L local ranks reducing theirs at once. None (default): derived from the
+            instance's flat ``dense`` cost (:meth:`Instance.inter_dense_cost`).
     """
 
     ranks_per_node: int
     intra: LinearCost
     inter: LinearCost
+    inter_dense: Optional[LinearCost] = None
 
     def __post_init__(self):
         self._validate("hierarchy")
@@ -287,18 +298,27 @@ class Hierarchy:
             if not isinstance(getattr(self, name), LinearCost):
                 raise InstanceError(prefix + name, f"must be a LinearCost, got "
                                                    f"{_describe(getattr(self, name))}")
+        if self.inter_dense is not None and not isinstance(self.inter_dense, LinearCost):
+            raise InstanceError(prefix + "inter_dense", f"must be a LinearCost, got "
+                                                        f"{_describe(self.inter_dense)}")
 
     def to_dict(self) -> dict:
-        return {"ranks_per_node": self.ranks_per_node, "intra": self.intra.to_dict(),
-                "inter": self.inter.to_dict()}
+        d = {"ranks_per_node": self.ranks_per_node, "intra": self.intra.to_dict(),
+             "inter": self.inter.to_dict()}
+        if self.inter_dense is not None:
+            d["inter_dense"] = self.inter_dense.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d, field: str = "hierarchy") -> "Hierarchy":
-        d = _mapping(d, field, ("ranks_per_node", "intra", "inter"))
+        d = _mapping(d, field, ("ranks_per_node", "intra", "inter"), ("inter_dense",))
+        inter_dense = d.get("inter_dense")
         return cls(
             _positive_int(d["ranks_per_node"], field + ".ranks_per_node"),
             LinearCost.from_dict(d["intra"], field + ".intra"),
             LinearCost.from_dict(d["inter"], field + ".inter"),
+            None if inter_dense is None else LinearCost.from_dict(inter_dense,
+                                                                 field + ".inter_dense"),
         )
 
 
@@ -329,8 +349,8 @@ class Instance:
             group dense where that is cheaper.
         tail_s: time from the end of the last collective to the next forward (DDP's
             finalisation, optimiser step, data); added to every plan's prediction.
-        hierarchy: optional :class:`Hierarchy`; when given, sparse groups use the
-            two-level timeline of the module docstring (``comm`` is then unused by the
+        hierarchy: optional :class:`Hierarchy`; when given, every group (sparse or
+            dense) uses the two-level timeline of the module docstring (``comm`` is then unused by the
             timeline; it stays the flat all-gather cost, for comparison).
     """
 
@@ -446,17 +466,57 @@ class Instance:
         """``t_inter(D) + t_ag(D)``: a two-level sparse group's time on the network."""
         return self.inter_allgather_time(numel) + self.intra_allgather_time(numel)
 
+    def inter_dense_cost(self) -> LinearCost:
+        """The inter-node all-reduce of a dense group's shard, per shard byte: the
+        hierarchy's ``inter_dense``, else derived from the flat ``dense`` cost. A ring
+        all-reduce over all W ranks (numbered node by node) is limited by the ring edge
+        that leaves each node, which carries ``2 (W-1)/W`` times the group's bytes, so
+        ``dense.beta = 2 (W-1)/W * b`` with ``b`` the node link's seconds per byte. The
+        two-level all-reduce runs L rings of N ranks at once, one per local rank, each
+        putting ``2 (N-1)/N`` times its shard's bytes on the same node link: per shard
+        byte ``L * 2 (N-1)/N * b``. Hence ``beta = dense.beta * L ((N-1)/N) / ((W-1)/W)``
+        and ``alpha = dense.alpha`` (one all-reduce's startup). Needs ``dense``."""
+        h = self._hierarchy()
+        if h.inter_dense is not None:
+            return h.inter_dense
+        if self.dense is None:
+            raise InstanceError("dense", "this instance has no dense cost")
+        L, N, W = h.ranks_per_node, self.nodes, self.world_size
+        scale = L * ((N - 1) / N) / ((W - 1) / W)
+        return LinearCost(self.dense.alpha_s, self.dense.beta_s_per_byte * scale)
+
+    def hierarchical_dense_compute_time(self, numel: int) -> float:
+        """``t_rs(D)``: a two-level dense group's work on the compute stream (the hook
+        waits for its intra-node reduce-scatter on its own thread, as for a sparse group)."""
+        return self.reduce_scatter_time(numel)
+
+    def inter_allreduce_time(self, numel: int) -> float:
+        """``t_ar(D)``: the inter-node all-reduce of a dense group's shard (S elements)."""
+        return self.inter_dense_cost().time(self.value_bytes * self.shard_numel(numel))
+
+    def intra_dense_allgather_time(self, numel: int) -> float:
+        """``t_agd(D)``: the intra-node all-gather of the reduced shards (S elements each)."""
+        return self._hierarchy().intra.time(self.value_bytes * self.shard_numel(numel))
+
+    def hierarchical_dense_comm_time(self, numel: int) -> float:
+        """``t_ar(D) + t_agd(D)``: a two-level dense group's time on the network."""
+        return self.inter_allreduce_time(numel) + self.intra_dense_allgather_time(numel)
+
     def inter_node_bytes(self, numel: int, dense: bool = False,
                          ranks_per_node: Optional[int] = None) -> int:
         """Bytes one rank sends to ranks on other nodes for one group, by the algorithm's
         own count (the ``stats()["last"]["inter_node_bytes"]`` of issue 12, without the
         4-byte status word): two-level sparse ``(N - 1) * k_h(D) * entry``; flat sparse
         ``(W - L) * k(D) * entry`` (its payload goes to every rank on another node), with
-        ``L = ranks_per_node`` (default: the hierarchy's, else 1). Dense groups: what a
-        rank sends in a ring all-reduce, ``2 (W - 1) / W * value_bytes * D`` (an upper
-        bound: not every ring link leaves the node)."""
+        ``L = ranks_per_node`` (default: the hierarchy's, else 1). Dense groups, flat:
+        what a rank sends in a ring all-reduce, ``2 (W - 1) / W * value_bytes * D`` (an
+        upper bound: not every ring link leaves the node); two-level: the inter-node
+        all-reduce of its shard, ``2 (N - 1) / N * value_bytes * S(D)``."""
         entry = self.value_bytes + self.index_bytes
         W = self.world_size
+        if dense and self.hierarchy is not None:
+            N = self.nodes
+            return int(round(2 * (N - 1) / N * self.value_bytes * self.shard_numel(numel)))
         if dense:
             return int(round(2 * (W - 1) / W * self.value_bytes * numel))
         if self.hierarchy is None:
@@ -639,7 +699,10 @@ def simulate(inst: Instance, groups, dense=None) -> Timeline:
             numel += inst.layers[u].numel
             backward += inst.layers[u].backward_s
         backward_total += backward
-        if is_dense:
+        if is_dense and hierarchical:
+            compute += backward + inst.hierarchical_dense_compute_time(numel)
+            network = max(network, compute) + inst.hierarchical_dense_comm_time(numel)
+        elif is_dense:
             compute += backward
             network = max(network, compute) + inst.dense_comm_time(numel)
         elif hierarchical:
@@ -661,10 +724,11 @@ class Schedule:
     """Every interval of one plan's timeline (seconds from the start of the forward pass).
 
     ``backward``: per unit ``(start, end)``; ``selection``: per group ``(start, end)`` of
-    its top-k and the hook's own work on the compute stream (empty for a dense group;
-    with a hierarchy: the reduce-scatter and the shard's top-k);
-    ``network``: per group ``(start, end)`` of its collective (with a hierarchy: the
-    inter-node and then the intra-node all-gather); ``dense``: per group flag;
+    its top-k and the hook's own work on the compute stream (empty for a flat dense
+    group; with a hierarchy: the reduce-scatter and, for a sparse group, the shard's
+    top-k); ``network``: per group ``(start, end)`` of its collective (with a hierarchy:
+    the inter-node all-gather, or all-reduce for a dense group, and then the intra-node
+    all-gather); ``dense``: per group flag;
     ``forward`` and ``tail``: ``(start, end)``. The ends agree with :func:`simulate`
     (``tail[1] == predicted_iteration_s``). Used to draw the timeline.
     """
@@ -692,7 +756,12 @@ def schedule(inst: Instance, groups, dense=None) -> Schedule:
             end = compute + inst.layers[u].backward_s
             backward.append((origin + compute, origin + end))
             compute = end
-        if is_dense:
+        if is_dense and inst.hierarchy is not None:  # the reduce-scatter
+            end = compute + inst.hierarchical_dense_compute_time(numel)
+            selection.append((origin + compute, origin + end))
+            compute = end
+            duration = inst.hierarchical_dense_comm_time(numel)
+        elif is_dense:
             selection.append((origin + compute, origin + compute))
             duration = inst.dense_comm_time(numel)
         elif inst.hierarchy is not None:  # reduce-scatter + the shard's top-k
@@ -732,18 +801,21 @@ def step_inter_node_bytes(inst: Instance, groups, dense=None,
 
 
 def hierarchical_instance(flat: Instance, ranks_per_node: int, intra: LinearCost,
-                          inter: LinearCost) -> Instance:
+                          inter: LinearCost, inter_dense: Optional[LinearCost] = None
+                          ) -> Instance:
     """``flat`` with a :class:`Hierarchy` added (the same units, top-k, density, dense
-    all-reduce and ``comm``; the sparse groups then follow the two-level timeline).
+    all-reduce and ``comm``; every group then follows the two-level timeline).
 
     ``intra``: the intra-node collective cost per contributed byte; ``inter``: the
     inter-node sparse all-gather among the ``world_size / ranks_per_node`` ranks with the
-    same local rank, per contributed byte (with all local ranks exchanging at once).
+    same local rank, per contributed byte (with all local ranks exchanging at once);
+    ``inter_dense``: optional, the inter-node all-reduce of a dense group's shard per
+    shard byte (default: derived from ``flat.dense``, :meth:`Instance.inter_dense_cost`).
     Raises :class:`InstanceError` (``hierarchy.*``) for bad values.
     """
     if not isinstance(flat, Instance):
         raise TypeError(f"hierarchical_instance expects an Instance, got {type(flat).__name__}")
-    return _replace(flat, hierarchy=Hierarchy(ranks_per_node, intra, inter))
+    return _replace(flat, hierarchy=Hierarchy(ranks_per_node, intra, inter, inter_dense))
 
 
 def _replace(inst: Instance, **changes) -> Instance:
@@ -792,9 +864,16 @@ def relaxed_instance(inst: Instance) -> Instance:
     (so every group's is), the two agree up to float rounding (and a ``k`` whose
     ``density * S`` lies within 1e-12 of an integer) and the relaxation's optimum is the
     exact one. The relaxation has the form the planner's exact searches assume (``c2' >=
-    0``; non-decreasing, convex top-k cost; non-decreasing ``k'``). Dense groups keep
-    ``dense`` unchanged. ``comm`` and ``topk`` of the result are the relaxed ones, the
-    result has no hierarchy. A flat instance is returned as it is.
+    0``; non-decreasing, convex top-k cost; non-decreasing ``k'``).
+
+    Dense groups (two-level: reduce-scatter on the compute side, inter-node all-reduce
+    and intra-node all-gather of S elements on the network side): the relaxed ``dense``
+    is ``alpha' = inter_dense.alpha + intra.alpha``, ``beta' = (inter_dense.beta +
+    intra.beta) / L`` per byte of the whole group, at most the exact network term
+    (``S >= D / L``); the reduce-scatter is left out (a flat dense group has no compute
+    term), so for plans with dense groups the relaxation is a lower bound but not exact.
+    ``comm``, ``topk`` and ``dense`` of the result are the relaxed ones, the result has
+    no hierarchy. A flat instance is returned as it is.
     """
     h = inst.hierarchy
     if h is None:
@@ -810,5 +889,10 @@ def relaxed_instance(inst: Instance) -> Instance:
         topk = TopkCost(c0, c1_shard / L, 0.0)
     comm = LinearCost(h.inter.alpha_s + h.intra.alpha_s,
                       h.inter.beta_s_per_byte + N * h.intra.beta_s_per_byte)
-    return _replace(inst, topk=topk, comm=comm,
+    dense = None
+    if inst.dense is not None:
+        inter_dense = inst.inter_dense_cost()
+        dense = LinearCost(inter_dense.alpha_s + h.intra.alpha_s,
+                           (inter_dense.beta_s_per_byte + h.intra.beta_s_per_byte) / L)
+    return _replace(inst, topk=topk, comm=comm, dense=dense,
                     density=inst.density / L * _RELAXED_DENSITY_SHRINK, hierarchy=None)

@@ -155,9 +155,11 @@ class StepExchange:
         if self.subgroups is not None:
             if not dense:
                 self._send_hierarchical(keys, numel)
-                return
-            # the flat path sends ordinary residuals: turn two-level shard residuals into them
-            self.memory.migrate_overlapping(keys)
+            else:
+                # the dense path sends ordinary residuals: turn shard residuals into them
+                self.memory.migrate_overlapping(keys)
+                self._send_hierarchical_dense(keys, numel)
+            return
         bucket_index = self.whole_bucket(keys) if dense else None
         if bucket_index is not None and self.clip_per_sqrt_element is None and all(
                 key in self.parked or self.memory.get(key) is None for key in keys):
@@ -386,6 +388,20 @@ class StepExchange:
         record.inter_bytes, record.intra_bytes = hierarchical.byte_counts(numel, k, self.topology)
         group = self._register(record)
         stages = hierarchical.sparse_group(self, keys, numel, record)
+        self._pipelines.append([stages, None, group])
+        self._step_pipeline(self._pipelines[-1])
+
+    def _send_hierarchical_dense(self, keys, numel):
+        from . import hierarchical
+
+        _, size = hierarchical.shard_bounds(numel, self.topology.ranks_per_node,
+                                            self.topology.local_rank)
+        # bytes: the fp32 shard this rank all-reduces between nodes
+        record = GroupRecord(keys, True, numel, numel, 4 * size, time.perf_counter())
+        record.inter_bytes, record.intra_bytes = hierarchical.dense_byte_counts(
+            numel, self.topology)
+        group = self._register(record)
+        stages = hierarchical.dense_group(self, keys, numel, record)
         self._pipelines.append([stages, None, group])
         self._step_pipeline(self._pipelines[-1])
 

@@ -33,19 +33,29 @@ drain loop - at the same points on every rank, so the collectives' order agrees.
 the last stage's completion runs in a future callback (local work: unpack, scatter-add,
 write back, stage the residual).
 
-Dense groups (warm-up, ``density=1``, the plan's dense groups) use the flat all-reduce:
-gloo and NCCL already run it as a ring or tree over all ranks, which crosses nodes as
-little as a two-level all-reduce would; shard stores of their parameters are first
-migrated into ordinary residuals, which the dense path sends.
+Dense groups (warm-up, ``density=1``, the plan's dense groups) take the two-level dense
+path (:func:`dense_group`), driven the same way: an intra-node reduce-scatter of the
+group's fp32 gradient plus its residual (shards as above), an inter-node all-reduce of
+the rank's shard among the N ranks with its local rank, division by the world size, and
+an intra-node all-gather of the reduced shards, written back into DDP's bucket buffers.
+It keeps the flat dense path's guarantees: shard stores of its parameters are first
+migrated into ordinary residuals, which it sends (except those of parameters this rank
+did not use, which stay), and it leaves no residual; a non-finite sum marks the step
+non-finite (every rank holds the same sums); a single fp32 bucket of exactly ``L * S``
+elements without residual or clipping is reduced where it lies, anything else (other
+layouts, bf16/fp16 gradients) in an fp32 buffer, cast once on the write-back.
 
 Byte counts, per rank and group (the algorithm's own count, ``stats()["last"]``):
-``inter_node_bytes = (N - 1) * payload(k)``; ``intra_node_bytes = (L - 1) * 4 * S``
-(reduce-scatter) ``+ (L - 1) * N * payload(k)`` (all-gather), ``payload(k) = 4 * (2k + 1)``.
+sparse ``inter_node_bytes = (N - 1) * payload(k)``; ``intra_node_bytes = (L - 1) * 4 * S``
+(reduce-scatter) ``+ (L - 1) * N * payload(k)`` (all-gather), ``payload(k) = 4 * (2k + 1)``;
+dense ``inter_node_bytes = 2 * 4 S * (N - 1) / N`` (the all-reduce, counted as a
+reduce-scatter plus an all-gather) and ``intra_node_bytes = 2 * (L - 1) * 4 * S``.
 """
 
 import time
 
 import torch
+import torch.distributed as dist
 
 from . import communicator
 from .cost_model import selected_k
@@ -65,6 +75,101 @@ def byte_counts(numel, k, topo):
     _, size = shard_bounds(numel, L, topo.local_rank)
     payload = communicator.payload_bytes(k)
     return (N - 1) * payload, (L - 1) * 4 * size + (L - 1) * N * payload
+
+
+def dense_byte_counts(numel, topo):
+    """``(inter_node_bytes, intra_node_bytes)`` one rank sends for a two-level dense group:
+    the inter-node all-reduce of its fp32 shard counted as a reduce-scatter plus an
+    all-gather, ``2 * 4 S (N - 1) / N``; the intra-node reduce-scatter and all-gather,
+    ``(L - 1) * 4 S`` each."""
+    L, N = topo.ranks_per_node, topo.nodes
+    _, size = shard_bounds(numel, L, topo.local_rank)
+    inter = int(round(2.0 * 4 * size * (N - 1) / N))
+    return inter, 2 * (L - 1) * 4 * size
+
+
+def dense_group(ex, keys, numel, record):
+    """The two-level dense exchange of group ``keys`` (module docstring), a generator
+    driven like :func:`sparse_group`. The caller has migrated the shard stores of
+    ``keys`` into per-parameter residuals. Residual handling is the flat dense path's
+    (``StepExchange._send_dense`` / ``_finish_dense``): gradient (clipped, when clipping
+    is on) plus the residual of every parameter this rank used goes out, those residuals
+    are staged to zero, a parked parameter's residual stays as it is."""
+    topo, groups = ex.topology, ex.subgroups
+    L = topo.ranks_per_node
+    _, size = shard_bounds(numel, L, topo.local_rank)
+    memory = ex.memory
+    device = ex.arrived[keys[0]][1].device
+    scratch = memory.dense_shard_buffers(keys, L * size, size, device)
+    shard = scratch.shard
+    sent = [key for key in keys if key not in ex.parked and memory.get(key) is not None]
+    bucket_index = ex.whole_bucket(keys)
+    buffer = ex._buffers[bucket_index] if bucket_index is not None else None
+    if (buffer is not None and not sent and ex.clip_per_sqrt_element is None
+            and buffer.dtype == torch.float32 and buffer.is_contiguous()
+            and buffer.numel() == L * size):
+        # one fp32 bucket, nothing to add, no padding: reduce it where it lies (it is
+        # overwritten by the last all-gather, after the reduce-scatter has read it)
+        segments = None
+        source = buffer
+        if ex.measure_health:  # nothing stays behind: the residual is zero
+            ex.health.append([_sum_of_squares([(0, buffer.numel(), buffer)]),
+                              buffer.new_zeros((), dtype=torch.float32)])
+    else:
+        segments = ex._segments(keys)
+        factor, grad_sq = ex._clip_factor(segments, numel)
+        source = scratch.staging_buffer()  # padding past numel stays zero
+        for g_off, n, grad in segments:
+            out = source[g_off:g_off + n]
+            if factor is None:
+                out.copy_(grad)
+            else:
+                torch.mul(grad, factor, out=out)
+        offset, offsets = 0, {}
+        for key in keys:
+            offsets[key] = offset
+            offset += ex.arrived[key][1].numel()
+        for key in sent:
+            o = offsets[key]
+            source[o:o + ex.arrived[key][1].numel()] += memory.get(key)
+        if ex.measure_health:
+            if grad_sq is None:
+                grad_sq = _sum_of_squares(segments)
+            if factor is not None:
+                grad_sq = grad_sq * factor.square()
+            ex.health.append([grad_sq, source.new_zeros(())])  # everything is sent
+    work = communicator.reduce_scatter_flat(shard, source, group=groups.intra, async_op=True)
+    yield work
+
+    # -- stage 2: the all-reduce of the node sums of this shard between nodes
+    work = dist.all_reduce(shard, group=groups.inter, async_op=True)
+    yield work
+
+    # -- stage 3: the average, the intra-node all-gather; the write-back in its callback
+    shard.div_(ex.world_size)
+
+    def start():
+        work = communicator.all_gather_flat(source, shard, group=groups.intra, async_op=True)
+        return work.get_future()
+
+    def finish():
+        _finish_dense(ex, keys, source, segments, sent)
+
+    ex._issue_registered(start, finish, record)
+
+
+def _finish_dense(ex, keys, averaged, segments, sent):
+    """The flat dense path's completion on the gathered average (``L * S`` elements, the
+    padding zero): the non-finite check, the write-back (a cast when the gradient is not
+    fp32; nothing to do when the bucket was reduced in place), the residuals that went
+    out staged to zero."""
+    if not bool(torch.isfinite(averaged.sum())) and not bool(torch.isfinite(averaged).all()):
+        ex._mark_nonfinite()
+    if segments is not None:
+        for g_off, n, grad in segments:
+            grad.copy_(averaged[g_off:g_off + n])
+    for key in sent:
+        ex.memory.stage(key, None)  # the residual went out with the dense sum
 
 
 def sparse_group(ex, keys, numel, record):

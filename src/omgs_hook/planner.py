@@ -51,8 +51,11 @@ and layer-wise groups (up to 4096 units), gives each the exactly best modes for 
 two-level timeline, and returns the one with the least exact time (:func:`_hierarchical_plan`).
 Hence: where the relaxation is exact (all ``numel`` multiples of L) ``optimal`` is the
 exact optimum (same exactness and valve as for flat instances); otherwise its exact time
-exceeds the optimum by at most its exact time minus :func:`relaxed_lower_bound`. Every
-reported time is the exact two-level :func:`~omgs_hook.cost_model.simulate`.
+exceeds the optimum by at most its exact time minus :func:`relaxed_lower_bound`. With a
+dense cost, dense groups are priced as the two-level dense path; the relaxation leaves
+out their intra-node reduce-scatter (a lower bound, not exact), the exact mode search
+(:func:`_exact_modes`) prices it. Every reported time is the exact two-level
+:func:`~omgs_hook.cost_model.simulate`.
 
 Determinism: a plan depends only on the instance - no randomness, timing or object
 hashing - and ties are broken by fixed orders (stable sorts; among equal states the one
@@ -421,31 +424,34 @@ def _exact_modes(inst: Instance, groups) -> Tuple[bool, ...]:
         if hierarchical:
             x_sparse = backward + inst.hierarchical_compute_time(numel)
             y_sparse = inst.hierarchical_comm_time(numel)
+            x_dense = backward + inst.hierarchical_dense_compute_time(numel)
+            y_dense = inst.hierarchical_dense_comm_time(numel)
         else:
             x_sparse = backward + inst.topk_time(numel)
             y_sparse = inst.sparse_comm_time(numel)
-        terms.append((backward, x_sparse, y_sparse, inst.dense_comm_time(numel)))
+            x_dense, y_dense = backward, inst.dense_comm_time(numel)
+        terms.append((backward, x_sparse, y_sparse, x_dense, y_dense))
     m = len(terms)
     rules = [[False] * m, [True] * m,
-             [y_dense < x_sparse - backward + y_sparse
-              for backward, x_sparse, y_sparse, y_dense in terms]]
+             [x_dense + y_dense < x_sparse + y_sparse
+              for _, x_sparse, y_sparse, x_dense, y_dense in terms]]
     upper = min(simulate(inst, groups, flags).comm_end_s for flags in rules)
     limit = upper + _RELATIVE_TIE * _time_scale(inst) * (m + 2)
     rest_net = [0.0] * (m + 1)
     rest_cpu = [0.0] * (m + 1)
     for j in range(m - 1, -1, -1):
-        backward, _, y_sparse, y_dense = terms[j]
+        backward, _, y_sparse, _, y_dense = terms[j]
         rest_net[j] = rest_net[j + 1] + min(y_sparse, y_dense)
         rest_cpu[j] = rest_cpu[j + 1] + backward
-    last = min(terms[-1][2], terms[-1][3])
+    last = min(terms[-1][2], terms[-1][4])
     tie = _RELATIVE_TIE * _time_scale(inst)
     C = np.zeros(1)
     E = np.zeros(1)
     history = []  # per group: (parent index, dense flag) of every kept state
     capped = False
-    for j, (backward, x_sparse, y_sparse, y_dense) in enumerate(terms):
+    for j, (backward, x_sparse, y_sparse, x_dense, y_dense) in enumerate(terms):
         net_left, cpu_left = rest_net[j + 1], rest_cpu[j + 1] + (last if j + 1 < m else 0.0)
-        cs, cd = C + x_sparse, C + backward
+        cs, cd = C + x_sparse, C + x_dense
         cand_c = np.concatenate((cs, cd))
         cand_e = np.concatenate((np.maximum(E, cs) + y_sparse, np.maximum(E, cd) + y_dense))
         viable = np.flatnonzero((cand_e + net_left <= limit) & (cand_c + cpu_left <= limit))

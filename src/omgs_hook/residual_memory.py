@@ -178,6 +178,29 @@ class ShardStore:
         self.shard_sum = self.shard_sum.to(device)
 
 
+class DenseShardBuffers:
+    """Working buffers of one two-level *dense* group (no residual lives here): the fp32
+    reduce-scatter input, zero-padded to ``ranks_per_node * size`` (made on first need,
+    it is also the all-gather's output), and the rank's shard, ``size`` fp32 elements
+    (the reduce-scatter's output, all-reduced between nodes in place)."""
+
+    __slots__ = ("padded", "shard", "_staging")
+
+    def __init__(self, padded, size, device):
+        self.padded = int(padded)
+        self.shard = torch.empty(size, dtype=torch.float32, device=device)
+        self._staging = None
+
+    @property
+    def device(self):
+        return self.shard.device
+
+    def staging_buffer(self):
+        if self._staging is None:
+            self._staging = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        return self._staging
+
+
 class ResidualMemory:
     """Per-parameter fp32 residuals with all-or-nothing step commits.
 
@@ -197,6 +220,8 @@ class ResidualMemory:
         self._shards = {}  # keys tuple -> ShardStore (two-level groups)
         self._shard_of = {}  # key -> keys tuple of the ShardStore holding it
         self._staged_shards = []  # ShardStores to swap at commit
+        self._dense = {}  # keys tuple -> DenseShardBuffers (two-level dense groups)
+        self._dense_used = set()  # keys tuples whose DenseShardBuffers this step used
         self._lock = threading.Lock()
 
     # -- reading --------------------------------------------------------------
@@ -295,6 +320,19 @@ class ResidualMemory:
                 del self._residuals[key]
         return left
 
+    def dense_shard_buffers(self, keys, padded, size, device):
+        """The :class:`DenseShardBuffers` of two-level dense group ``keys`` (created on
+        first use; released at a commit of a step that did not use them)."""
+        keys = tuple(keys)
+        with self._lock:
+            buffers = self._dense.get(keys)
+            if (buffers is None or buffers.padded != padded or buffers.shard.numel() != size
+                    or buffers.device != device):
+                buffers = DenseShardBuffers(padded, size, device)
+                self._dense[keys] = buffers
+            self._dense_used.add(keys)
+        return buffers
+
     def stage_shard(self, store):
         """Stage "``store.spare`` is the new shard residual" (from a collective callback)."""
         with self._lock:
@@ -388,6 +426,8 @@ class ResidualMemory:
             # (residuals still pointing into them keep their storage alive until re-read)
             for keys in [k for k in self._groups if k not in self._used]:
                 del self._groups[keys]
+            for keys in [k for k in self._dense if k not in self._dense_used]:
+                del self._dense[keys]
             self._clear_step_locked()
 
     def discard_staged(self):
@@ -400,6 +440,7 @@ class ResidualMemory:
         self._staged_groups = []
         self._staged_shards = []
         self._used = set()
+        self._dense_used = set()
 
     # -- persistence ------------------------------------------------------------
     def state_dict(self):
@@ -447,6 +488,7 @@ class ResidualMemory:
             self._groups = {}
             self._shards = {}
             self._shard_of = {}
+            self._dense = {}
             self._clear_step_locked()
             for key, tensor in residuals.items():
                 self._shapes[key] = tuple(tensor.shape)
