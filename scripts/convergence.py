@@ -775,33 +775,32 @@ def write_doc(path, generated, tool="scripts/convergence.py"):
                             "Convergence: OMGS-SGD against dense all-reduce")
 
 
+def _summary_line(row, text):
+    """The console line of one configuration's summary row."""
+    reference = row["config"] == REFERENCE
+    if text:
+        gap = "" if reference or row["gap_pct"] is None else f", {row['gap_pct']:+.2f}% vs allreduce"
+        result = f"final validation {row['mean_bits']:.4f} bits/char (std {row['std_bits']:.4f}"
+    else:
+        gap = "" if reference or row["gap_pp"] is None else f", gap {row['gap_pp']:+.2f} pp"
+        result = (f"final accuracy {100 * row['mean_accuracy']:.2f}% "
+                  f"(std {100 * row['std_accuracy']:.2f}")
+    return f"{result}, seeds {row['seeds']}){gap}"
+
+
 def report(args, data):
     plot_name = os.path.relpath(os.path.abspath(args.plot),
                                 os.path.dirname(os.path.abspath(args.doc)))
-    if args.model in TEXT_MODELS:
-        # its own section of the same document: the LSTM tables sit beside the CNN ones
-        write_doc(args.doc, render(data, plot_name, text=True),
-                  f"scripts/convergence.py --model {args.model}")
-        if data["runs"]:
-            plot_text(data, args.plot)
-        for epochs in epoch_counts(data):
-            for row in summarise_text(data["runs"], epochs):
-                gap = "" if row["gap_pct"] is None or row["config"] == REFERENCE else \
-                    f", {row['gap_pct']:+.2f}% vs allreduce"
-                print(f"convergence: {epochs} epochs, {row['config']}: final validation "
-                      f"{row['mean_bits']:.4f} bits/char (std {row['std_bits']:.4f}, "
-                      f"seeds {row['seeds']}){gap}", flush=True)
-        return
-    write_doc(args.doc, render(data, plot_name))
+    text = args.model in TEXT_MODELS
+    # the LSTM has its own section of the same document, beside the CNN tables
+    tool = f"scripts/convergence.py --model {args.model}" if text else "scripts/convergence.py"
+    write_doc(args.doc, render(data, plot_name, text=text), tool)
     if data["runs"]:
-        plot(data, args.plot)
+        (plot_text if text else plot)(data, args.plot)
     for epochs in epoch_counts(data):
-        for row in summarise(data["runs"], epochs):
-            gap = "" if row["gap_pp"] is None or row["config"] == REFERENCE else \
-                f", gap {row['gap_pp']:+.2f} pp"
-            print(f"convergence: {epochs} epochs, {row['config']}: final accuracy "
-                  f"{100 * row['mean_accuracy']:.2f}% (std {100 * row['std_accuracy']:.2f}, "
-                  f"seeds {row['seeds']}){gap}", flush=True)
+        for row in (summarise_text if text else summarise)(data["runs"], epochs):
+            print(f"convergence: {epochs} epochs, {row['config']}: {_summary_line(row, text)}",
+                  flush=True)
 
 
 def profile_record(path):
