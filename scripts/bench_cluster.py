@@ -1042,20 +1042,27 @@ def run_benchmarks(args):
 # =====================================================================================
 
 
-def load_results(results_dir):
-    """Every benchmark result JSON in ``results_dir``, sorted by (model, N, density)."""
+def read_result_files(results_dir, prefix, kind, analyse_one):
+    """The result JSONs ``prefix*.json`` of ``kind`` in ``results_dir``, each with its
+    ``"analysis"`` recomputed by ``analyse_one`` (the rules may have changed)."""
     results = []
     if not os.path.isdir(results_dir):
         return results
     for name in sorted(os.listdir(results_dir)):
-        if not (name.startswith(RESULT_PREFIX) and name.endswith(".json")):
+        if not (name.startswith(prefix) and name.endswith(".json")):
             continue
         with open(os.path.join(results_dir, name), encoding="utf-8") as handle:
             data = json.load(handle)
-        if data.get("kind") != "omgs-bench-cluster":
+        if data.get("kind") != kind:
             continue
-        data["analysis"] = analyse(data)  # recomputed: the rules may have changed
+        data["analysis"] = analyse_one(data)
         results.append(data)
+    return results
+
+
+def load_results(results_dir):
+    """Every benchmark result JSON in ``results_dir``, sorted by (model, N, density)."""
+    results = read_result_files(results_dir, RESULT_PREFIX, "omgs-bench-cluster", analyse)
     order = {m: i for i, m in enumerate(MODELS)}
     results.sort(key=lambda r: (order.get(r["model"], 99), r["nodes"], r["density"],
                                 bool(r["settings"].get("allow_dense"))))

@@ -482,18 +482,7 @@ def analyse(result):
 
 
 def load_results(results_dir):
-    results = []
-    if not os.path.isdir(results_dir):
-        return results
-    for name in sorted(os.listdir(results_dir)):
-        if not (name.startswith(RESULT_PREFIX) and name.endswith(".json")):
-            continue
-        with open(os.path.join(results_dir, name), encoding="utf-8") as handle:
-            data = json.load(handle)
-        if data.get("kind") != RESULT_KIND:
-            continue
-        data["analysis"] = analyse(data)
-        results.append(data)
+    results = bench.read_result_files(results_dir, RESULT_PREFIX, RESULT_KIND, analyse)
     results.sort(key=lambda r: (r["model"], r["nodes"], r["ranks_per_node"], -r["rate_bps"],
                                 -r["density"], r.get("suffix") or ""))
     return results

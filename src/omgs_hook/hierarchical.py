@@ -118,13 +118,7 @@ def dense_group(ex, keys, numel, record):
     else:
         segments = ex._segments(keys)
         factor, grad_sq = ex._clip_factor(segments, numel)
-        source = scratch.staging_buffer()  # padding past numel stays zero
-        for g_off, n, grad in segments:
-            out = source[g_off:g_off + n]
-            if factor is None:
-                out.copy_(grad)
-            else:
-                torch.mul(grad, factor, out=out)
+        source = _stage(scratch.staging_buffer(), segments, factor)  # padding stays zero
         offset, offsets = 0, {}
         for key in keys:
             offsets[key] = offset
@@ -201,13 +195,7 @@ def sparse_group(ex, keys, numel, record):
         # (it is read before the write-back, which waits for the last collective)
         source = segments[0][2]
     else:
-        source = store.staging_buffer()
-        for g_off, n, grad in segments:
-            out = source[g_off:g_off + n]
-            if factor is None:
-                out.copy_(grad)
-            else:
-                torch.mul(grad, factor, out=out)
+        source = _stage(store.staging_buffer(), segments, factor)
         offsets = {key: o for key, o in zip(store.keys, store.offsets)}
         for key in foreign:
             o = offsets[key]
@@ -279,3 +267,15 @@ def _finish(ex, keys, store, segments, gathered, k, numel, size, foreign):
         ex.memory.stage(key, None)  # added before the reduce-scatter: now in the shard sums
     if not nonfinite_any:
         ex.writeback_samples.append((numel, time.perf_counter() - started))
+
+
+def _stage(buffer, segments, factor):
+    """Copy the group's gradient runs (scaled by the clip ``factor`` when set) into
+    ``buffer`` at their group offsets; returns ``buffer``."""
+    for g_off, n, grad in segments:
+        out = buffer[g_off:g_off + n]
+        if factor is None:
+            out.copy_(grad)
+        else:
+            torch.mul(grad, factor, out=out)
+    return buffer

@@ -202,15 +202,20 @@ def make_plan(inst: Instance, strategy: str = "optimal") -> Plan:
             known.append(np.arange(1, L + 1))
         bounds, modes = _search(inst, prefix_sums, known, boundaries=None)
         return _finish(inst, strategy, _groups_from_bounds(bounds), modes)
-    if strategy == "greedy":
-        groups = greedy_groups(inst)
-    elif strategy == "layerwise":
-        groups = tuple((u,) for u in range(num_units))
-    elif strategy == "single":
-        groups = (tuple(range(num_units)),)
-    else:
-        groups = threshold_groups(inst, int(strategy.split(":", 1)[1]))
+    groups = _rule_groups(inst, strategy, inst)
     return _finish(inst, strategy, groups, best_modes(inst, groups))
+
+
+def _rule_groups(inst: Instance, strategy: str, greedy_inst: Instance) -> Groups:
+    """The groups of a simple-rule strategy (greedy on ``greedy_inst``'s costs)."""
+    num_units = inst.num_units
+    if strategy == "greedy":
+        return greedy_groups(greedy_inst)
+    if strategy == "layerwise":
+        return tuple((u,) for u in range(num_units))
+    if strategy == "single":
+        return (tuple(range(num_units)),)
+    return threshold_groups(inst, int(strategy.split(":", 1)[1]))
 
 
 def evaluate(inst: Instance, groups, dense=None, strategy: str = "fixed") -> Plan:
@@ -377,14 +382,7 @@ def _hierarchical_plan(inst: Instance, strategy: str) -> Plan:
     relaxed = relaxed_instance(inst)
     num_units = inst.num_units
     if strategy != "optimal":
-        if strategy == "greedy":
-            groups = greedy_groups(relaxed)
-        elif strategy == "layerwise":
-            groups = tuple((u,) for u in range(num_units))
-        elif strategy == "single":
-            groups = (tuple(range(num_units)),)
-        else:
-            groups = threshold_groups(inst, int(strategy.split(":", 1)[1]))
+        groups = _rule_groups(inst, strategy, relaxed)
         return _finish(inst, strategy, groups, best_modes(inst, groups))
     candidates = [make_plan(relaxed, "optimal").groups, greedy_groups(relaxed),
                   (tuple(range(num_units)),)]

@@ -54,7 +54,27 @@ import torch
 CURRENT = object()
 
 
-class GroupBuffers:
+class _DoubleBuffer:
+    """Two fp32 buffers (``self._buffers``), one holding the committed residuals
+    (``current``), the other written by a step (``spare``); committing is a swap."""
+
+    @property
+    def device(self):
+        return self._buffers[0].device
+
+    @property
+    def current(self):
+        return self._buffers[self._current]
+
+    @property
+    def spare(self):
+        return self._buffers[1 - self._current]
+
+    def swap(self):
+        self._current = 1 - self._current
+
+
+class GroupBuffers(_DoubleBuffer):
     """Two persistent fp32 buffers for one group (``keys`` with ``numels`` elements each).
 
     ``current`` holds the committed residuals (``views(current)[i]`` is key i's residual
@@ -79,17 +99,6 @@ class GroupBuffers:
         self._current = 0
         self.ages = None  # int32 steps since each element was sent (track_staleness only)
 
-    @property
-    def device(self):
-        return self._buffers[0].device
-
-    @property
-    def current(self):
-        return self._buffers[self._current]
-
-    @property
-    def spare(self):
-        return self._buffers[1 - self._current]
 
     def current_views(self):
         return self._views[self._current]
@@ -105,11 +114,9 @@ class GroupBuffers:
     def in_spare(self, tensor):
         return tensor.untyped_storage().data_ptr() == self.spare.untyped_storage().data_ptr()
 
-    def swap(self):
-        self._current = 1 - self._current
 
 
-class ShardStore:
+class ShardStore(_DoubleBuffer):
     """The residual of one two-level group's shard: elements ``[lo, lo + size)`` of the
     group's flattened range (``numel`` real elements; the shard may run past ``numel``:
     padding, always zero), plus the step's working buffers."""
@@ -141,20 +148,7 @@ class ShardStore:
             self._staging = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         return self._staging
 
-    @property
-    def device(self):
-        return self._buffers[0].device
 
-    @property
-    def current(self):
-        return self._buffers[self._current]
-
-    @property
-    def spare(self):
-        return self._buffers[1 - self._current]
-
-    def swap(self):
-        self._current = 1 - self._current
 
     def matches(self, numels, lo, size, device):
         return (self.numels == tuple(int(n) for n in numels) and self.lo == lo
