@@ -619,3 +619,42 @@ def test_shard_store_commits_migrates_and_saves_full_shaped():
     other = memory.shard_store(("b",), (3,), 0, 2, 4, torch.device("cpu"))
     assert memory.adopt_into_shard(other, ["b"]) == ["b"]  # element 2 lies outside [0, 2)
     assert abs(memory.total_norm() - math.sqrt(1 + 4 + 9 + 16)) < 1e-6
+
+
+def raise_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=1, topology="hierarchical",
+                               ranks_per_node=PER_NODE, nonfinite="raise",
+                               plan={"groups": GROUPS, "dense": [True] * len(GROUPS)})
+    outcomes = []
+    for step in range(4):
+        x, y = batch(step, rank)
+        if step == 3 and rank == 3:
+            x = x.clone()
+            x[0, 0] = float("inf")  # one rank's gradient turns non-finite
+        try:
+            loss_fn(ddp(x), y).backward()
+            outcomes.append(None)
+        except FloatingPointError as exc:
+            outcomes.append(str(exc))
+        except RuntimeError as exc:  # DDP may wrap the hook's error
+            outcomes.append(str(exc) if "NaN/Inf" in str(exc) else "other: " + str(exc))
+    dense = state.stats()["last"]["group_dense"]
+    del ddp, state
+    gc.collect()
+    return {"outcomes": outcomes, "dense": dense}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_two_level_dense_groups_raise_on_nonfinite_when_asked():
+    results = run_ranks("test_hierarchical", "raise_worker", world_size=WORLD, timeout=130)
+    for r in results:
+        # steps 0-2 finite (the warm-up, then the pinned plan: every group on the two-level
+        # dense path); at step 3 every rank's backward fails with the hook's error, not
+        # only rank 3's
+        assert r["dense"] == [True] * len(GROUPS), r
+        assert r["outcomes"][:3] == [None, None, None], r
+        assert r["outcomes"][3] is not None and "NaN/Inf" in r["outcomes"][3], r
