@@ -54,9 +54,21 @@ import torch
 CURRENT = object()
 
 
+def _concatenation(numels):
+    """``(numels, offsets, total)`` of tensors of ``numels`` elements laid end to end."""
+    numels = tuple(int(n) for n in numels)
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total += n
+    return numels, tuple(offsets), total
+
+
 class _DoubleBuffer:
     """Two fp32 buffers (``self._buffers``), one holding the committed residuals
     (``current``), the other written by a step (``spare``); committing is a swap."""
+
+    __slots__ = ()  # the subclasses keep their own __slots__ (no per-instance dict)
 
     @property
     def device(self):
@@ -85,20 +97,13 @@ class GroupBuffers(_DoubleBuffer):
 
     def __init__(self, keys, numels, device):
         self.keys = tuple(keys)
-        self.numels = tuple(int(n) for n in numels)
-        offsets, total = [], 0
-        for n in self.numels:
-            offsets.append(total)
-            total += n
-        self.offsets = tuple(offsets)
-        self.numel = total
-        self._buffers = [torch.empty(total, dtype=torch.float32, device=device) for _ in range(2)]
+        self.numels, self.offsets, self.numel = _concatenation(numels)
+        self._buffers = [torch.empty(self.numel, dtype=torch.float32, device=device) for _ in range(2)]
         self._views = [
             tuple(buf[o:o + n] for o, n in zip(self.offsets, self.numels)) for buf in self._buffers
         ]
         self._current = 0
         self.ages = None  # int32 steps since each element was sent (track_staleness only)
-
 
     def current_views(self):
         return self._views[self._current]
@@ -115,7 +120,6 @@ class GroupBuffers(_DoubleBuffer):
         return tensor.untyped_storage().data_ptr() == self.spare.untyped_storage().data_ptr()
 
 
-
 class ShardStore(_DoubleBuffer):
     """The residual of one two-level group's shard: elements ``[lo, lo + size)`` of the
     group's flattened range (``numel`` real elements; the shard may run past ``numel``:
@@ -126,13 +130,7 @@ class ShardStore(_DoubleBuffer):
 
     def __init__(self, keys, numels, lo, size, padded, device):
         self.keys = tuple(keys)
-        self.numels = tuple(int(n) for n in numels)
-        offsets, total = [], 0
-        for n in self.numels:
-            offsets.append(total)
-            total += n
-        self.offsets = tuple(offsets)
-        self.numel = total
+        self.numels, self.offsets, self.numel = _concatenation(numels)
         self.lo, self.size = int(lo), int(size)
         self._buffers = [torch.zeros(size, dtype=torch.float32, device=device) for _ in range(2)]
         self._current = 0
