@@ -656,10 +656,11 @@ def warmup_steps_for(name, hook_warmup_steps):
     DDP needs two iterations to settle its buckets; the hooks add their dense warm-up
     (at whose end the OMGS plan is made, PowerSGD starts compressing); our sparse hooks
     re-plan once more OVERHEAD_SETTLE_STEPS later, with their own per-group work
-    measured; then SETTLE_STEPS on the final configuration. The compute reference needs
-    one step.
+    measured; then, if that changed the plan, the model check CHECK_SETTLE_STEPS later
+    re-plans once more (PLAN_LAG steps to switch); then SETTLE_STEPS on the final
+    configuration. The compute reference needs one step.
     """
-    from omgs_hook.hook import OVERHEAD_SETTLE_STEPS
+    from omgs_hook.hook import CHECK_SETTLE_STEPS, OVERHEAD_SETTLE_STEPS, PLAN_LAG
 
     if name == REFERENCE:
         return 1
@@ -667,7 +668,8 @@ def warmup_steps_for(name, hook_warmup_steps):
         return DDP_SETUP_STEPS + SETTLE_STEPS
     if name == "powersgd":
         return max(DDP_SETUP_STEPS, hook_warmup_steps) + SETTLE_STEPS
-    return max(DDP_SETUP_STEPS, hook_warmup_steps) + OVERHEAD_SETTLE_STEPS + SETTLE_STEPS
+    return (max(DDP_SETUP_STEPS, hook_warmup_steps) + OVERHEAD_SETTLE_STEPS
+            + CHECK_SETTLE_STEPS + PLAN_LAG + SETTLE_STEPS)
 
 
 def run_worker(config_path):

@@ -48,11 +48,13 @@ identically on every rank. Future callbacks do local work only: a collective or 
 inside a callback deadlocks gloo.
 """
 
+import collections
 import dataclasses
 import json
 import logging
 import math
 import os
+import statistics
 import time
 import warnings
 
@@ -69,7 +71,8 @@ from .cost_model import (Instance, InstanceError, LinearCost, TopkCost, Unit, ch
 from .background_planner import BackgroundPlanner
 from .group_exchange import StepExchange
 from .group_plan import GroupPlan
-from .measurements import BackwardMeter, GroupOverheadMeter, slowest_rank_timeline
+from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, comm_scale,
+                           comm_sums, slowest_rank_timeline)
 from .profile_file import Profile, default_profile, load_profile, profile_mismatches
 from .residual_memory import ResidualMemory
 
@@ -94,6 +97,9 @@ HEALTH_EVERY = 10
 # The first plan is made before any sparse group was sent, so the hook's own per-group
 # work is unknown to it; this many steps later the plan is made once more with it.
 OVERHEAD_SETTLE_STEPS = 5
+# steps a new plan runs before the model is checked against it (re-evaluated with the
+# times of its own steps; at least measurements.MIN_FRESH_STEPS of them)
+CHECK_SETTLE_STEPS = 5
 
 
 def _check_fraction(name, value):
@@ -166,6 +172,26 @@ def _parse_pinned_plan(plan):
             raise ValueError(f"plan: {exc}") from None
         return ("units", units, tuple(dense), predicted)
     raise ValueError("plan: groups must hold parameter names or bucket indices, not a mix")
+
+
+def _corrected(base, correction):
+    """``base`` (the flat model from the measurements) plus what the last trial measured
+    beyond it (a :class:`plan_selection.Correction`): the tail gains its constant, the
+    top-k's fixed cost its per-group term, the dense cost's beta its per-element term,
+    each clamped at zero."""
+    if correction is None:
+        return base
+    dense = base.dense
+    if dense is not None:
+        dense = LinearCost(alpha_s=dense.alpha_s, beta_s_per_byte=max(
+            0.0, dense.beta_s_per_byte + correction.dense_s_per_element / 4))
+    topk = base.topk
+    return Instance(layers=base.layers, world_size=base.world_size, density=base.density,
+                    forward_s=base.forward_s, comm=base.comm,
+                    topk=TopkCost(c0=max(0.0, topk.c0 + correction.sparse_group_s),
+                                  c1=topk.c1, c2=topk.c2),
+                    value_bytes=base.value_bytes, index_bytes=base.index_bytes,
+                    dense=dense, tail_s=max(0.0, base.tail_s + correction.constant_s))
 
 
 def _compute_plan(job, strategy, select):
@@ -289,6 +315,16 @@ class OMGSState:
             timed collectives at every re-plan (averaged across ranks), so the plan
             follows the real network. Costs a clock read per collective; noisy on shared
             machines. Default False.
+        measured_comm (bool): scale the profile's collective costs - the sparse
+            all-gather (with the measured write-back) and the dense all-reduce, each by
+            its own factor - to what this run's collectives took over the last 16 steps,
+            as the timeline counts them (from issue, or the previous collective's end, to
+            the end of the write-back). The profile times collectives alone; in training
+            they share the cores (gloo) with backward, and the network may have changed.
+            The factor is each rank's measured over modelled time, the least over ranks
+            (a rank that waits for a straggler measures the wait too); identical on every
+            rank. Flat exchange on CPU only (on CUDA the host clock sees launches, not the
+            GPU). ``stats()["planned_with"]["comm_scale"]``. Default True.
         nonfinite (str): what to do when any rank's gradient holds NaN/Inf: ``"skip"``
             (default) - every rank gets a non-finite gradient for the affected group (so
             an AMP ``GradScaler`` skips the step) and the residual stays exactly as it
@@ -341,6 +377,7 @@ class OMGSState:
         select="measured",
         plan=None,
         refit_online=False,
+        measured_comm=True,
         nonfinite="skip",
         log_every=100,
         module=None,
@@ -379,6 +416,9 @@ class OMGSState:
         self.on_world_size_change = on_world_size_change
         self.allow_dense = bool(allow_dense)
         self.refit_online = bool(refit_online)
+        if not isinstance(measured_comm, bool):
+            raise ValueError(f"measured_comm must be True or False, got {measured_comm!r}")
+        self.measured_comm = measured_comm
         if local_clip_norm is not None and (
                 isinstance(local_clip_norm, bool) or not isinstance(local_clip_norm, (int, float))
                 or not 0 < float(local_clip_norm) < math.inf):
@@ -436,6 +476,14 @@ class OMGSState:
 
             self._fitter = OnlineLinearFitter()
         self._comm_override = None
+        # measured_comm: what the last steps' collectives took, by kind
+        self._comm_times = CommTimeMeter()
+        # the plan in use against reality: this rank's (step, seconds) bucket-0 to bucket-0,
+        # the step at which the plan in use is re-evaluated with its own steps' times, and
+        # the result of that (stats()["model_check"])
+        self._step_times = collections.deque(maxlen=measure_window)
+        self._check_at = None
+        self._model_check = None
         # measured selection: the running trial, its GroupPlans and layout, the last
         # finished trial's report, the model plan the last trial started from
         self._clock = time.perf_counter  # bucket-0 arrivals (tests inject a fake per rank)
@@ -457,6 +505,7 @@ class OMGSState:
         self._last = None
         self._last_exchange = None
         self._plan_instance = None  # (layout, Instance) of the last re-plan
+        self._base_instance = None  # (layout, Instance before the correction, two-level costs)
         self._forward_end_wall = None
         self._health = None  # (step, [(grad^2, residual^2) per group]) of the last measured step
         self._staleness = None  # (step, [(keys, int32 ages) per sparse group])
@@ -669,6 +718,7 @@ class OMGSState:
         previous, self._bucket0 = self._bucket0, (self.step, now)
         if previous is not None and previous[0] == self.step - 1:
             self._last_step_s = now - previous[1]
+            self._step_times.append((previous[0], self._last_step_s))
             if self._trial is not None:
                 self._trial.record(previous[0], self._last_step_s)
         if self._plan_job is not None and self.step >= int(self._plan_job["apply_at_step"]):
@@ -773,6 +823,9 @@ class OMGSState:
         settled = self.warmup_steps + self.density_warmup_steps + OVERHEAD_SETTLE_STEPS
         if self._awaiting_overhead and since >= OVERHEAD_SETTLE_STEPS and self.step >= settled:
             return "overhead"
+        if (not layout_changed and self._check_at is not None and self.step >= self._check_at
+                and self.step >= settled):
+            return "check"
         return "layout" if layout_changed else None
 
     # ------------------------------------------------------------ pinned and trial plans
@@ -847,6 +900,7 @@ class OMGSState:
             if winner is not None:
                 self.plan = dataclasses.replace(self._trial_plans[winner], made_at_step=self.step)
                 self._note_plan("trial winner")
+                self._plan_in_use_from(self.step, check=True)
                 self._last_trial = self._refit_from_trial(trial)
                 if trial.reason == "periodic":
                     self._retrial_steps += self.step - trial.start_step
@@ -902,6 +956,16 @@ class OMGSState:
             raise RuntimeError("omgs_hook: no measured step yet, nothing to plan")
         return self._build_instance(layout)[0]
 
+    def _on_host(self):
+        return self._device is None or self._device.type == "cpu"
+
+    def _fresh_step_s(self):
+        """Median seconds per step (bucket 0 to bucket 0) over the steps the meter
+        prefers (those run with the plan in use), or None with fewer than 3 of them."""
+        floor = self.meter.prefer_from_step
+        times = [t for step, t in self._step_times if floor is None or step >= floor]
+        return statistics.median(times) if len(times) >= 3 else None
+
     def _build_instance(self, layout):
         backward = self.meter.backward_s() if self.meter.layout == layout else []
         if len(backward) != len(layout):
@@ -918,6 +982,11 @@ class OMGSState:
         ]
         for pair in optional:  # each as a, b, known
             local += [pair[0], pair[1], 1.0] if pair is not None else [0.0, 0.0, 0.0]
+        measured_at = len(local)  # the collectives' measured times and the step time
+        sums = self._comm_times.totals() if self.measured_comm and len(self._comm_times) else None
+        local += list(sums) + [1.0] if sums is not None else [0.0] * 7
+        step_s = self._fresh_step_s()
+        local += [step_s, 1.0] if step_s is not None else [0.0, 0.0]
         # one all-gather for the planning row and the per-step timelines (every gather on
         # the autograd thread waits for the slowest rank: fewer is a shorter stall)
         gathered = self._gather_rows(local + self._timeline_table(layout))
@@ -954,16 +1023,15 @@ class OMGSState:
                               beta_s_per_byte=comm.beta_s_per_byte + per_byte)
         numels = [sum(math.prod(self._shapes[k]) for k in bucket) for bucket in layout]
         dense = self.profile.dense if self.allow_dense else None
+        two_level = self._two_level_costs()
+        scales = {"sparse": None, "dense": None}
+        if float(rows[:, measured_at + 6].max()) > 0:  # gathered: the same on every rank
+            comm, dense, scales = self._scaled_by_measurement(rows[:, measured_at:], comm, dense)
+        measured_step_s = (float(rows[:, measured_at + 7].max())
+                           if float(rows[:, measured_at + 8].min()) > 0 else None)
         topk_c0 = topk.c0 + per_group
         correction = self._correction if self.select == "measured" else None
-        if correction is not None:
-            # what the last trial measured beyond the model (plan_selection.Correction)
-            tail_s = max(0.0, tail_s + correction.constant_s)
-            topk_c0 = max(0.0, topk_c0 + correction.sparse_group_s)
-            if dense is not None:
-                dense = LinearCost(alpha_s=dense.alpha_s, beta_s_per_byte=max(
-                    0.0, dense.beta_s_per_byte + correction.dense_s_per_element / 4))
-        instance = Instance(
+        base = Instance(
             layers=tuple(Unit(numel=u, backward_s=b) for u, b in zip(numels, backward_s)),
             world_size=self.world_size,
             density=self.density,
@@ -974,23 +1042,57 @@ class OMGSState:
             dense=dense,
             tail_s=tail_s,
         )
-        two_level = self._two_level_costs()
+        # kept for the model check, which refits the correction against this base
+        self._base_instance = (tuple(tuple(b) for b in layout), base, two_level)
+        # what the last trial measured beyond the model (plan_selection.Correction)
+        instance = _corrected(base, correction)
         if two_level is not None:
             # the two-level exchange: its sparse groups follow the two-level timeline
-            # (reduce-scatter and shard top-k, inter-node then intra-node all-gather)
+            # (reduce-scatter and shard top-k, inter-node then intra-node all-gather);
+            # dense groups price their inter-node all-reduce by the profile's inter_dense
+            # when it has one (else derived from the flat dense cost)
             instance = hierarchical_instance(instance, *two_level)
-        inputs = {"forward_s": forward_s, "tail_s": tail_s, "group_overhead_s": per_group,
+        inputs = {"forward_s": forward_s, "tail_s": instance.tail_s, "group_overhead_s": per_group,
                   "group_overhead_s_per_element": per_element,
                   "overhead_measured": overhead_known,
                   "correction": correction.to_dict() if correction is not None else None,
                   "writeback_s": wb_group, "writeback_s_per_element": wb_element,
                   "comm_override": network if network is not self.profile.comm else None,
-                  "two_level_model": two_level is not None}
+                  "two_level_model": two_level is not None,
+                  "comm_scale": scales, "measured_step_s": measured_step_s}
         return instance, inputs
 
+    @staticmethod
+    def _scaled_by_measurement(rows, comm, dense):
+        """``comm`` and ``dense`` scaled by the measured collectives (``measured_comm``):
+        ``rows`` holds every rank's summed ``(sparse_s, sparse_count, sparse_bytes,
+        dense_s, dense_count, dense_elements, known)``. Per kind, each rank's measured over
+        modelled time, the least over the ranks that have samples of that kind (the others'
+        times include waiting for the last rank to issue). Gathered numbers: identical on
+        every rank."""
+        factors = {}
+        for kind, at, line, bytes_per in (("sparse", 0, comm, 1), ("dense", 3, dense, 4)):
+            found = []
+            if line is not None:
+                for r in rows.tolist():
+                    if r[6] > 0:
+                        f = comm_scale(r[at], int(r[at + 1]), r[at + 2] * bytes_per,
+                                       line.alpha_s, line.beta_s_per_byte)
+                        if f is not None:
+                            found.append(f)
+            factors[kind] = min(found) if found else None
+        if factors["sparse"] is not None:
+            comm = LinearCost(alpha_s=comm.alpha_s * factors["sparse"],
+                              beta_s_per_byte=comm.beta_s_per_byte * factors["sparse"])
+        if factors["dense"] is not None:
+            dense = LinearCost(alpha_s=dense.alpha_s * factors["dense"],
+                               beta_s_per_byte=dense.beta_s_per_byte * factors["dense"])
+        return comm, dense, factors
+
     def _two_level_costs(self):
-        """``(ranks_per_node, intra, inter)`` for planning a two-level exchange with the
-        profile's two link classes, or None: flat topology, or a profile without them
+        """``(ranks_per_node, intra, inter, inter_dense)`` for planning a two-level exchange
+        with the profile's two link classes (``inter_dense`` None when the profile did not
+        measure it), or None: flat topology, or a profile without them
         (then the flat costs stand in, warned about once, and the measured selection
         still times the real plans)."""
         topo = self.topology
@@ -1007,7 +1109,7 @@ class OMGSState:
                     "planning with the flat costs (run omgs-profile on this cluster to "
                     "measure both link classes)", RuntimeWarning, stacklevel=2)
             return None
-        return topo.ranks_per_node, hierarchy.intra, hierarchy.inter
+        return topo.ranks_per_node, hierarchy.intra, hierarchy.inter, hierarchy.inter_dense
 
     def _timeline_table(self, layout):
         """This rank's per-step timelines for ``layout`` as a flat fixed-size row (a
@@ -1037,10 +1139,20 @@ class OMGSState:
         candidates on the background planner's thread, and put the result in use at
         bucket 0 of step ``self.step + PLAN_LAG`` or the first later step at which every
         rank's planner is done - the same step on every rank."""
+        if reason == "check":
+            self._check_at = None
         instance, inputs = self._build_instance(layout)
         self._plan_instance = (tuple(tuple(b) for b in layout), instance)  # for summary()
         self._comm_override = inputs.pop("comm_override")
         self._planned_with = inputs
+        if reason in ("check", "overhead") and self.plan is not None and self.plan.layout == layout:
+            self._check_plan_in_use(instance, inputs["measured_step_s"])
+            if reason == "check" and self.select == "measured":
+                # the measured winner stays (a new trial comes with the periodic re-plan);
+                # its prediction is now the one made from its own steps
+                self.plan = dataclasses.replace(
+                    self.plan, predicted_iteration_s=self._model_check["predicted_s"])
+                return
         self._warn_if_coarse(layout, [u.numel for u in instance.layers])
         kept = self.plan
         periodic = (self.select == "measured" and reason == "periodic" and kept is not None
@@ -1062,6 +1174,65 @@ class OMGSState:
         }
         self._totals["replans"] += 1
         self._submit_plan_job(job)
+
+    def _plan_in_use_from(self, step, check):
+        """A plan runs from ``step`` on: measure it from there and, with ``check``, re-check
+        the model on it ``CHECK_SETTLE_STEPS`` later (:meth:`_check_plan_in_use`)."""
+        self.meter.prefer_from(step)
+        self._check_at = step + CHECK_SETTLE_STEPS if check else None
+
+    def _check_plan_in_use(self, instance, measured_s):
+        """The plan in use, predicted from the steps it ran (``instance``), against the
+        slowest rank's measured step (``stats()["model_check"]``)."""
+        plan = self.plan
+        refit = self._refit_correction(plan.layout)
+        if refit is not None:
+            instance = refit
+        predicted = planner_mod.evaluate(instance, plan.unit_groups(),
+                                         dense=list(plan.dense)).predicted_iteration_s
+        self._model_check = {
+            "step": self.step, "strategy": plan.strategy, "groups": len(plan.groups),
+            "dense_groups": sum(1 for d in plan.dense if d),
+            "planned_s": plan.predicted_iteration_s, "predicted_s": predicted,
+            "measured_s": measured_s,
+            "error": (predicted - measured_s) / measured_s if measured_s else None,
+            "comm_scale": dict(self._planned_with.get("comm_scale") or {}),
+            "correction": (self._correction.to_dict()
+                           if self._correction is not None and self.select == "measured" else None),
+        }
+        logger.info("omgs_hook: step %d model check of %s (%d groups): predicted %.4f s, "
+                    "measured %s", self.step, plan.strategy, len(plan.groups), predicted,
+                    "-" if measured_s is None else f"{measured_s:.4f} s")
+
+    def _refit_correction(self, layout):
+        """With ``select="measured"``: refit the correction from the last trial's measured
+        candidates against the model as it is now (its inputs measured with the plan in
+        use, collective costs scaled by ``measured_comm``), replacing the one fitted at
+        the trial's end against the model of the trial's start - which already absorbed
+        what the measured collective costs now explain. Returns the instance with the
+        new correction, or None (nothing to refit from). Gathered numbers only: the same
+        on every rank."""
+        if self.select != "measured" or self._base_instance is None or not self._last_trial:
+            return None
+        base_layout, base, two_level = self._base_instance
+        if base_layout != tuple(tuple(b) for b in layout) or self._trial_layout != base_layout:
+            return None
+        uncorrected = base if two_level is None else hierarchical_instance(base, *two_level)
+        candidates = []
+        for c in self._last_trial.get("candidates") or []:
+            if c.get("measured_s") is None:
+                continue
+            dense = list(c["dense"]) if uncorrected.dense is not None else None
+            if dense is None and any(c["dense"]):
+                continue
+            predicted = planner_mod.evaluate(uncorrected, c["groups"], dense=dense)
+            candidates.append(dict(c, predicted_s=predicted.predicted_iteration_s))
+        fit = plan_selection.fit_correction(candidates, [u.numel for u in base.layers])
+        if fit is None:
+            return None
+        self._correction = fit
+        instance = _corrected(base, fit)
+        return instance if two_level is None else hierarchical_instance(instance, *two_level)
 
     def _submit_plan_job(self, job):
         self._plan_job = job
@@ -1109,6 +1280,11 @@ class OMGSState:
         # ranks)
         self._awaiting_overhead = (not job["overhead_known"] and not self._awaiting_overhead
                                    and not all(plan.dense))
+        if changed:
+            # a new plan is checked once against its own steps (not after a check: a
+            # check that changes the plan ends there, so plans cannot ping-pong)
+            self._plan_in_use_from(self.step, check=(job["reason"] != "check"
+                                                     and not self._awaiting_overhead))
         logger.debug("omgs_hook: step %d new plan %s", self.step, plan.unit_groups())
 
     def _warn_if_coarse(self, layout, numels):
@@ -1135,6 +1311,8 @@ class OMGSState:
         if exchange.error is not None:
             return
         self.meter.step_finished(exchange.finish_wall)
+        if self.measured_comm and exchange.subgroups is None and self._on_host():
+            self._comm_times.add(comm_sums(exchange.records))
         if exchange.density == self.density:  # not in the density warm-up: plans are for this
             for sample in exchange.overhead_samples:
                 self.overhead.add(*sample)
@@ -1234,7 +1412,15 @@ class OMGSState:
         seconds a step spent on re-planning on the autograd thread - gathering the
         numbers at the end of a step, switching plans at the start of one, the wait
         included), ``"planned_with"`` (the forward, tail and
-        per-group overhead the last plan was made with), ``"error_feedback"`` (measured
+        per-group overhead the last plan was made with, and ``"comm_scale"``: the factors
+        ``measured_comm`` applied to the sparse and dense collective costs, None where
+        there was nothing to measure), ``"model_check"`` (the model against reality for
+        the plan in use: ``CHECK_SETTLE_STEPS`` = 5 steps after a plan goes into use, it
+        is re-evaluated with the times measured in its own steps - ``predicted_s``,
+        beside ``planned_s`` that it was chosen with - and compared with the slowest
+        rank's median step over those steps, ``measured_s``; ``error`` is
+        ``(predicted - measured) / measured``; with ``select="measured"`` the winner's
+        ``predicted_iteration_s`` becomes ``predicted_s``), ``"error_feedback"`` (measured
         every ``HEALTH_EVERY`` = 10 steps: ``step``, this rank's ``gradient_norm`` - its
         local gradient after any ``local_clip_norm`` - the ``residual_norm`` left after
         sending, and their ratio ``residual_to_gradient``; a ratio that keeps growing
@@ -1283,6 +1469,7 @@ class OMGSState:
                 "last_trial": self._last_trial,
             },
             "predicted_iteration_s": self.plan.predicted_iteration_s if self.plan else None,
+            "model_check": dict(self._model_check) if self._model_check else None,
             "planned_with": dict(self._planned_with) if self._planned_with else None,
             "tail_s": self.meter.tail_s(),
             "residual_norm": self.memory.total_norm(),
@@ -1456,6 +1643,10 @@ class OMGSState:
             "correction": self._correction.to_dict() if self._correction is not None else None,
             "plan_history": [dict(e) for e in self._plan_history],
             "plan_job": self._plan_job,
+            "comm_times": self._comm_times.state_dict(),
+            "step_times": [list(e) for e in self._step_times],
+            "check_at": self._check_at,
+            "model_check": self._model_check,
         }
 
     def load_state_dict(self, sd):
@@ -1527,6 +1718,11 @@ class OMGSState:
         self._correction = (plan_selection.Correction.from_dict(sd["correction"])
                             if sd.get("correction") else None)
         self._plan_history = [dict(e) for e in sd.get("plan_history") or []]
+        self._comm_times.load_state_dict(sd.get("comm_times"))
+        self._step_times.clear()
+        self._step_times.extend((int(a), float(b)) for a, b in sd.get("step_times") or [])
+        self._check_at = None if sd.get("check_at") is None else int(sd["check_at"])
+        self._model_check = dict(sd["model_check"]) if sd.get("model_check") else None
         self._bucket0 = None
         if self._pinned is not None:
             self._restore_pinned(self.plan)

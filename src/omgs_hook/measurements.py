@@ -60,6 +60,9 @@ def clock_for(device):
     return CudaClock(device) if device.type == "cuda" else CpuClock()
 
 
+MIN_FRESH_STEPS = 3
+
+
 class BackwardMeter:
     """Per-bucket backward time, forward time and iteration time, over a sliding window.
 
@@ -90,6 +93,13 @@ class BackwardMeter:
         # per step: [tail before it, forward, backward of bucket 0, 1, ...] - one rank's
         # timeline from the end of the previous exchange, for the straggler-aware plan
         self._timelines = collections.deque(maxlen=window)
+        # step numbers of the samples above (None: unknown, e.g. an old state dict), so
+        # that the estimates can prefer the steps run with the plan now in use
+        self._sample_steps = collections.deque(maxlen=window)
+        self._forward_steps = collections.deque(maxlen=window)
+        self._tail_steps = collections.deque(maxlen=window)
+        self._last_step = None  # number of the last step closed (owns the next tail)
+        self.prefer_from_step = None
 
     def use_device(self, device):
         """Pick the clock for the gradients' device (called at the first bucket)."""
@@ -106,6 +116,7 @@ class BackwardMeter:
                 and self._finish_wall >= self._last_fwd_start_wall:
             self._step_tail = max(0.0, wall - self._finish_wall)
             self._tail.append(self._step_tail)
+            self._tail_steps.append(self._last_step)
         self._finish_wall = None
         self._last_fwd_start_wall = wall
         self._fwd_start = self.clock.mark()
@@ -141,6 +152,7 @@ class BackwardMeter:
         be resolved."""
         marks = (self._fwd_start, self._fwd_end, list(self._arrive),
                  list(zip(self._send_start, self._send_end)), layout, self._step_tail, step)
+        self._last_step = step
         if isinstance(self.clock, CudaClock):
             previous, self._pending = self._pending, marks
             if previous is not None:
@@ -164,21 +176,44 @@ class BackwardMeter:
         if layout != self.layout:
             self.layout = layout
             self._samples.clear()
+            self._sample_steps.clear()
             self._timelines.clear()
         self._samples.append(seconds)
+        self._sample_steps.append(step)
         if fwd_start is not None and fwd_end is not None:
             forward = max(0.0, self.clock.seconds(fwd_start, fwd_end))
             self._forward.append(forward)
+            self._forward_steps.append(step)
             if step_tail is not None and step is not None:
                 self._timelines.append((int(step), [step_tail, forward] + seconds))
 
     def reset(self):
         self.layout = None
         self._timelines.clear()
-        self._samples.clear()
-        self._forward.clear()
-        self._tail.clear()
+        for deque in (self._samples, self._forward, self._tail, self._sample_steps,
+                      self._forward_steps, self._tail_steps):
+            deque.clear()
         self._pending = None
+        self._last_step = None
+        self.prefer_from_step = None
+
+    def prefer_from(self, step):
+        """Estimate from the steps numbered ``step`` and later once there are at least
+        :data:`MIN_FRESH_STEPS` of them (older ones until then).
+
+        The hook calls it when a plan goes into use: backward, forward and tail times
+        depend on the plan (a dense all-reduce or many collectives take CPU from
+        backward; the dense warm-up is the extreme case), so the next plan - and the
+        check of this one - should see the steps run with it, not the warm-up's.
+        """
+        self.prefer_from_step = None if step is None else int(step)
+
+    def _fresh(self, values, steps):
+        floor = self.prefer_from_step
+        if floor is None:
+            return list(values)
+        fresh = [v for v, s in zip(values, steps) if s is not None and s >= floor]
+        return fresh if len(fresh) >= MIN_FRESH_STEPS else list(values)
 
     # -- results ----------------------------------------------------------------
     @property
@@ -187,22 +222,26 @@ class BackwardMeter:
 
     def backward_s(self):
         """Per-bucket median backward seconds for ``self.layout`` (empty if no samples)."""
-        if not self._samples:
+        samples = self._fresh(self._samples, self._sample_steps)
+        if not samples:
             return []
-        return [statistics.median(col) for col in zip(*self._samples)]
+        return [statistics.median(col) for col in zip(*samples)]
 
     def forward_s(self):
-        return statistics.median(self._forward) if self._forward else 0.0
+        forward = self._fresh(self._forward, self._forward_steps)
+        return statistics.median(forward) if forward else 0.0
 
     def timelines(self):
         """Per complete step of the current layout, oldest first: ``(step, [tail, forward,
         backward of bucket 0, 1, ...])`` in seconds (steps without a measured tail are
         left out). The hook aligns them across ranks by step to plan for the slowest rank."""
-        return [(step, list(row)) for step, row in self._timelines]
+        rows = self._fresh(self._timelines, [step for step, _ in self._timelines])
+        return [(step, list(row)) for step, row in rows]
 
     def tail_s(self):
         """Median seconds from a step's last write-back to the next forward (0 if unseen)."""
-        return statistics.median(self._tail) if self._tail else 0.0
+        tail = self._fresh(self._tail, self._tail_steps)
+        return statistics.median(tail) if tail else 0.0
 
     def state_dict(self):
         return {
@@ -211,6 +250,10 @@ class BackwardMeter:
             "forward": list(self._forward),
             "tail": list(self._tail),
             "timelines": [[step] + list(row) for step, row in self._timelines],
+            "sample_steps": list(self._sample_steps),
+            "forward_steps": list(self._forward_steps),
+            "tail_steps": list(self._tail_steps),
+            "prefer_from_step": self.prefer_from_step,
         }
 
     def load_state_dict(self, sd):
@@ -225,6 +268,15 @@ class BackwardMeter:
             self._tail.append(float(f))
         for row in sd.get("timelines", []):
             self._timelines.append((int(row[0]), [float(x) for x in row[1:]]))
+        # step tags (absent in older state dicts: unknown, i.e. never preferred)
+        for values, steps, key in ((self._samples, self._sample_steps, "sample_steps"),
+                                   (self._forward, self._forward_steps, "forward_steps"),
+                                   (self._tail, self._tail_steps, "tail_steps")):
+            saved = list(sd.get(key) or [])
+            saved = [None] * (len(values) - len(saved)) + saved[-len(values):] if values else []
+            steps.extend(None if x is None else int(x) for x in saved)
+        floor = sd.get("prefer_from_step")
+        self.prefer_from_step = None if floor is None else int(floor)
 
 
 def slowest_rank_timeline(per_rank):
@@ -317,3 +369,86 @@ class GroupOverheadMeter:
         self._samples.clear()
         for numel, element_pass, fixed in (sd or {}).get("samples", []):
             self.add(int(numel), float(element_pass), float(fixed))
+
+
+def comm_sums(records):
+    """What one step's collectives took, by kind, as the cost model's timeline counts it.
+
+    ``records``: the step's groups in issue order, each with ``dense``, ``bytes`` (per
+    rank on the wire: the packed payload of a sparse group), ``numel``, ``issued`` and
+    ``done`` (host clock: issue, and the end of its write-back). A collective starts
+    when it is issued or when the previous one is done, whichever is later (one
+    collective at a time on the network), so its duration is
+    ``done - max(issued, previous done)``: the ``t_c`` / ``t_d`` of the timeline, the
+    write-back included (the model folds it into the collective's cost).
+
+    Returns ``(sparse_s, sparse_count, sparse_bytes, dense_s, dense_count,
+    dense_elements)``, or None when a record lacks a time (a failed step).
+    """
+    sparse_s = dense_s = 0.0
+    sparse_n = dense_n = sparse_bytes = dense_numel = 0
+    previous = None
+    for r in records:
+        issued, done = getattr(r, "issued", None), getattr(r, "done", None)
+        if issued is None or done is None:
+            return None
+        start = issued if previous is None else max(issued, previous)
+        seconds = max(0.0, done - start)
+        previous = done if previous is None else max(previous, done)
+        if r.dense:
+            dense_s, dense_n, dense_numel = dense_s + seconds, dense_n + 1, dense_numel + r.numel
+        else:
+            sparse_s, sparse_n, sparse_bytes = sparse_s + seconds, sparse_n + 1, sparse_bytes + r.bytes
+    return (sparse_s, sparse_n, sparse_bytes, dense_s, dense_n, dense_numel)
+
+
+def comm_scale(seconds, count, size, alpha_s, beta_s_per_byte):
+    """Measured over modelled time of ``count`` collectives of ``size`` bytes in all on a
+    line ``alpha + beta * bytes``: the factor that makes the line match them, or None
+    without samples (or a line that prices them at zero)."""
+    modelled = alpha_s * count + beta_s_per_byte * size
+    if count <= 0 or not modelled > 0 or seconds <= 0:
+        return None
+    return seconds / modelled
+
+
+class CommTimeMeter:
+    """The last ``window`` steps' :func:`comm_sums`, summed on demand.
+
+    The hook uses them to scale the profile's collective costs to what this run's
+    collectives really take (``measured_comm``): the profile is measured alone, but in
+    training an all-reduce or many small all-gathers run while backward uses the same
+    cores (gloo) or the same GPU (NCCL), and the network itself may have changed.
+    """
+
+    def __init__(self, window=16):
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self._steps = collections.deque(maxlen=window)
+
+    def add(self, sums):
+        if sums is not None:
+            self._steps.append(tuple(sums))
+
+    def clear(self):
+        self._steps.clear()
+
+    def __len__(self):
+        return len(self._steps)
+
+    def totals(self):
+        """``(sparse_s, sparse_count, sparse_bytes, dense_s, dense_count, dense_elements)``
+        summed over the window (zeros when empty)."""
+        out = [0.0, 0, 0, 0.0, 0, 0]
+        for row in self._steps:
+            out = [a + b for a, b in zip(out, row)]
+        return tuple(out)
+
+    def state_dict(self):
+        return {"steps": [list(row) for row in self._steps]}
+
+    def load_state_dict(self, sd):
+        self.clear()
+        for row in (sd or {}).get("steps", []):
+            s_s, s_n, s_b, d_s, d_n, d_e = row
+            self._steps.append((float(s_s), int(s_n), int(s_b), float(d_s), int(d_n), int(d_e)))

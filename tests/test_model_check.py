@@ -1,0 +1,185 @@
+"""The model against reality: collective costs scaled by the hook's own timed
+collectives (``measured_comm``), estimates from the steps of the plan in use, and the
+model check of a plan after it ran (``stats()["model_check"]``)."""
+
+import gc
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import omgs_hook
+from ddp_harness import run_ranks
+from omgs_hook.cost_model import LinearCost
+from omgs_hook.hook import OMGSState
+from omgs_hook.measurements import (BackwardMeter, CommTimeMeter, comm_scale, comm_sums)
+from test_hook_ddp import DENSITY, Net, train_steps
+
+
+def record(dense, nbytes, numel, issued, done):
+    return SimpleNamespace(dense=dense, bytes=nbytes, numel=numel, issued=issued, done=done)
+
+
+# ----------------------------------------------------------------------------- pure parts
+def test_comm_sums_counts_each_collective_from_issue_or_the_previous_end():
+    records = [
+        record(False, 80, 1000, issued=1.0, done=1.5),   # alone: 0.5
+        record(True, 400, 100, issued=1.2, done=2.0),    # queued behind the first: 0.5
+        record(False, 16, 200, issued=2.5, done=2.6),    # network idle before: 0.1
+        record(True, 40, 10, issued=2.55, done=2.58),    # finished before the one ahead: 0
+    ]
+    s_s, s_n, s_b, d_s, d_n, d_e = comm_sums(records)
+    assert s_s == pytest.approx(0.6) and (s_n, s_b) == (2, 96)
+    assert d_s == pytest.approx(0.5) and (d_n, d_e) == (2, 110)
+
+
+def test_comm_sums_of_a_step_with_an_unfinished_group_is_none():
+    assert comm_sums([record(False, 8, 10, 1.0, None)]) is None
+    assert comm_sums([]) == (0.0, 0, 0, 0.0, 0, 0)
+
+
+def test_comm_scale_is_measured_over_modelled_time():
+    # 3 collectives of 1000 bytes in all on alpha=1e-3, beta=1e-6: 4e-3 s modelled
+    assert comm_scale(8e-3, 3, 1000, 1e-3, 1e-6) == pytest.approx(2.0)
+    assert comm_scale(8e-3, 0, 0, 1e-3, 1e-6) is None  # no collective of this kind
+    assert comm_scale(8e-3, 3, 1000, 0.0, 0.0) is None  # a line pricing it at zero
+    assert comm_scale(0.0, 3, 1000, 1e-3, 1e-6) is None  # a clock that did not move
+
+
+def test_comm_time_meter_keeps_the_last_steps_and_round_trips():
+    meter = CommTimeMeter(window=2)
+    meter.add((1.0, 1, 10, 0.0, 0, 0))
+    meter.add(None)  # a failed step adds nothing
+    meter.add((2.0, 2, 20, 0.5, 1, 100))
+    meter.add((4.0, 4, 40, 0.0, 0, 0))
+    assert len(meter) == 2
+    assert meter.totals() == (6.0, 6, 60, 0.5, 1, 100)
+    other = CommTimeMeter(window=2)
+    other.load_state_dict(meter.state_dict())
+    assert other.totals() == meter.totals()
+    with pytest.raises(ValueError):
+        CommTimeMeter(window=0)
+
+
+def test_scaling_takes_the_least_factor_over_ranks_per_kind():
+    comm, dense = LinearCost(1e-3, 1e-6), LinearCost(2e-3, 1e-9)
+    rows = torch.tensor([
+        # sparse_s, count, bytes, dense_s, count, elements, known
+        [8e-3, 3, 1000, 0.0, 0, 0, 1.0],        # sparse x2, no dense collective
+        [12e-3, 3, 1000, 6e-3, 1, 1000, 1.0],   # sparse x3 (it waited), dense: 6e-3/2.004e-3
+        [99.0, 3, 1000, 99.0, 1, 1000, 0.0],    # a rank without samples is left out
+    ], dtype=torch.float64)
+    new_comm, new_dense, factors = OMGSState._scaled_by_measurement(rows, comm, dense)
+    assert factors["sparse"] == pytest.approx(2.0)
+    assert factors["dense"] == pytest.approx(6e-3 / (2e-3 + 4e-6))
+    assert new_comm.alpha_s == pytest.approx(2e-3) and new_comm.beta_s_per_byte == pytest.approx(2e-6)
+    assert new_dense.alpha_s == pytest.approx(2e-3 * factors["dense"])
+    # no dense cost (allow_dense=False): nothing to scale there
+    _, none_dense, factors = OMGSState._scaled_by_measurement(rows, comm, None)
+    assert none_dense is None and factors["dense"] is None
+
+
+def _step(meter, step, backward, layout=(("a",), ("b",))):
+    meter.forward_started()
+    meter.forward_finished()
+    meter.clock = FakeMarks(backward)
+    for i in range(len(layout)):
+        meter.bucket_arrived(i)
+        meter.sends_started()
+        meter.sends_finished()
+    meter.end_step(layout, step=step)
+
+
+class FakeMarks:
+    """A clock whose marks advance by ``per_mark`` each: every bucket gap is the same."""
+
+    def __init__(self, per_mark):
+        self.t, self.per_mark = 0.0, per_mark
+
+    def mark(self):
+        self.t += self.per_mark
+        return self.t
+
+    def seconds(self, start, end):
+        return end - start
+
+
+def test_the_meter_prefers_the_steps_of_the_plan_in_use_once_there_are_enough():
+    meter = BackwardMeter(window=32)
+    for step in range(10):
+        _step(meter, step, backward=1.0)  # e.g. the dense warm-up
+    meter.prefer_from(10)
+    _step(meter, 10, backward=0.25)
+    _step(meter, 11, backward=0.25)
+    # a bucket's gap is 3 marks (arrival, sends started, finished) less the sends' 1
+    assert meter.backward_s()[1] == pytest.approx(2.0)  # 2 fresh steps: not enough yet
+    _step(meter, 12, backward=0.25)
+    assert meter.backward_s()[1] == pytest.approx(0.5)
+    assert all(step >= 10 for step, _ in meter.timelines())
+    # the preference survives a state dict; an old one without step tags has none
+    other = BackwardMeter(window=32)
+    other.load_state_dict(meter.state_dict())
+    assert other.backward_s() == meter.backward_s()
+    old = meter.state_dict()
+    for key in ("sample_steps", "forward_steps", "tail_steps", "prefer_from_step"):
+        old.pop(key)
+    other.load_state_dict(old)
+    assert other.backward_s()[1] == pytest.approx(2.0)  # all 13 samples: the old median
+
+
+def test_measured_comm_must_be_a_bool():
+    with pytest.raises(ValueError, match="measured_comm"):
+        OMGSState(measured_comm="yes")
+
+
+# ----------------------------------------------------------------------- under real DDP
+def check_worker(rank, world_size, steps, **options):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=2, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train_steps(ddp, opt, 0, steps, rank)
+    stats = state.stats()
+    layout = state.plan.layout
+    # the same inputs with and without the measured scaling (collective: both ranks)
+    scaled, inputs = state._build_instance(layout)
+    state.measured_comm = False
+    plain, plain_inputs = state._build_instance(layout)
+    out = {"stats": stats, "factor": inputs["comm_scale"]["sparse"],
+           "scaled_alpha": scaled.comm.alpha_s, "plain_alpha": plain.comm.alpha_s,
+           "plain_scale": plain_inputs["comm_scale"],
+           "state_dict_keys": sorted(state.state_dict())}
+    dist.barrier()
+    del ddp, state
+    gc.collect()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("select", ["model", "measured"])
+def test_a_plan_is_checked_against_its_own_steps_identically_on_every_rank(select):
+    steps = 30 if select == "model" else 70
+    results = run_ranks("test_model_check", "check_worker", world_size=2, timeout=240,
+                        steps=steps, select=select, allow_dense=False)
+    checks = [r["stats"]["model_check"] for r in results]
+    assert checks[0] is not None, "no model check ran"
+    assert checks[0] == checks[1]  # gathered numbers: the same on both ranks
+    check = checks[0]
+    assert check["measured_s"] > 0 and check["predicted_s"] > 0
+    assert check["error"] == pytest.approx(
+        (check["predicted_s"] - check["measured_s"]) / check["measured_s"])
+    assert check["comm_scale"]["sparse"] is not None
+    if select == "measured":
+        # the winner's prediction is now the one from its own steps
+        assert results[0]["stats"]["predicted_iteration_s"] == check["predicted_s"]
+        assert results[0]["stats"]["selection"]["last_trial"] is not None
+    for r in results:
+        # the factor really reaches the planner's input: alpha (+ write-back) scaled by it
+        assert r["factor"] is not None
+        assert r["scaled_alpha"] == pytest.approx(r["plain_alpha"] * r["factor"], rel=1e-9)
+        assert r["plain_scale"] == {"sparse": None, "dense": None}
+        assert "comm_times" in r["state_dict_keys"]
