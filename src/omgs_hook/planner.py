@@ -502,6 +502,9 @@ _RACE_START_BUDGET = 250_000
 _RACE_GROWTH = 4
 # States kept per prefix by the beam search that supplies upper bounds.
 _BEAM_WIDTH = 4
+# Live states the beam search keeps at most (the most promising by lower bound): a beam
+# whose live set grows with the prefixes costs more than the exact search it prepares.
+_BEAM_LIVE = 256
 # Up to this many units the layerwise plan is one of the upper-bound candidates.
 _LAYERWISE_BOUND_UNITS = 4096
 
@@ -572,6 +575,8 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     least_topk = (
         _least_topk_time(inst, prefix_sums[0]) if inst.dense is None else None
     )
+    least_compute = prefix_sums[1] + least_topk if inst.dense is None else prefix_sums[1]
+    network_floor = _prefix_network_floor(inst, prefix_sums[0], prefix_sums[1], least_compute)
     while not valve_closed():
         budget *= _RACE_GROWTH
         # the backward search costs about three times as much per candidate (and with
@@ -581,6 +586,7 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
             best_value,
             budget=grant(max(1, budget // (3 if inst.dense is None else 4))),
             least_topk=least_topk,
+            network_floor=network_floor,
         )
         found = backward.solve()
         if found is not None:
@@ -989,6 +995,8 @@ class _FrontierSearch:
                 if since_prune == self._PRUNE_EVERY:
                     since_prune = 0
                     live = self._prune(states, ids, live, cs, cd)
+                    if beam is not None and live > _BEAM_LIVE:
+                        live = self._thin_beam(states, ids, live, t)
             if count == 0:  # every state of this prefix is beyond the bound
                 continue
             end = live + count
@@ -1034,6 +1042,32 @@ class _FrontierSearch:
             states[:, :kept] = states[:, :live][:, keep]
             ids[:kept] = ids[:live][keep]
         return kept
+
+    def _thin_beam(self, states, ids, live, t):
+        """Beam mode only: keep the ``_BEAM_LIVE`` live states whose images at target
+        ``t`` have the least lower bound (in prefix order); a heuristic, like the beam."""
+        inst = self.inst
+        c0, c1, c2 = inst.topk.c0, inst.topk.c1, inst.topk.c2
+        Dp_t = float(self.numel_prefix[t])
+        Bp_t = float(self.backward_prefix[t])
+        rows = states[:, :live]
+        numel = Dp_t - rows[2]
+        c = rows[0] + (Bp_t + c0 + c1 * Dp_t)
+        if c2:
+            c += c2 * numel * np.log2(numel)
+        k = np.maximum(1.0, np.ceil(inst.density * numel))
+        e = np.maximum(rows[1], c) + (inst.comm.alpha_s + _entry_time(inst) * k)
+        bound = self.lower_bound(t, c, e)
+        if inst.dense is not None:
+            cd = rows[3] + Bp_t
+            ed = np.maximum(rows[1], cd) + (
+                inst.dense.alpha_s + inst.dense.beta_s_per_byte * inst.value_bytes * numel
+            )
+            np.minimum(bound, self.lower_bound(t, cd, ed), out=bound)
+        keep = np.sort(bound.argsort(kind="stable")[:_BEAM_LIVE])
+        states[:, :keep.size] = rows[:, keep]
+        ids[:keep.size] = ids[:live][keep]
+        return keep.size
 
     @staticmethod
     def _reconstruct(final_id, first_ids, targets, parents, modes):
@@ -1170,8 +1204,8 @@ class _SuffixSearch:
 
     1. *Bound.* A prefix ending at ``s`` has ``c >= C(s)`` and ``e >= E(s)`` (lower
        bounds: its backward, plus the per-element top-k of units that might be sparse
-       and one ``c0``; and one collective after that, or all its bytes at the cheapest
-       rate), so a candidate whose ``max(E(s) + Ys, C(s) + G)`` exceeds the bound is not
+       and one ``c0``; and one collective after that, all its bytes at the cheapest
+       rate, or :func:`_prefix_network_floor`, whichever is largest), so a candidate whose ``max(E(s) + Ys, C(s) + G)`` exceeds the bound is not
        stored.
     2. *Retirement.* A live state at ``t`` yields a candidate at every ``s < t``. For
        group ``s..t-1`` and every plan through it, the final time is at least
@@ -1197,9 +1231,11 @@ class _SuffixSearch:
         upper_bound: float,
         budget: Optional[int] = None,
         least_topk: Optional[np.ndarray] = None,
+        network_floor: Optional[np.ndarray] = None,
     ):
-        """``least_topk``: :func:`_least_topk_time` of the instance, when the caller
-        has it already (it is the same for every search of one instance)."""
+        """``least_topk``: :func:`_least_topk_time` of the instance, and
+        ``network_floor``: :func:`_prefix_network_floor`, when the caller has them
+        already (they are the same for every search of one instance)."""
         self.inst = inst
         self.upper_bound = float(upper_bound)
         self.budget = budget
@@ -1241,6 +1277,11 @@ class _SuffixSearch:
             np.maximum(network, one_group, out=network)
         # a state at t reached through any group s..t-1 has compute >= compute[t]
         self.compute_at = compute.copy()
+        if network_floor is None:
+            network_floor = _prefix_network_floor(
+                inst, self.numel_prefix, self.backward_prefix, compute
+            )
+        np.maximum(network, network_floor, out=network)
         network[0] = compute[0] = 0.0  # the empty prefix
         self.prefix_compute = compute.tolist()
         self.prefix_network = network.tolist()
@@ -1401,6 +1442,52 @@ class _SuffixSearch:
 def _entry_time(inst: Instance) -> float:
     """Seconds per selected entry (value and index) of a sparse collective."""
     return inst.comm.beta_s_per_byte * (inst.value_bytes + inst.index_bytes)
+
+
+def _prefix_network_floor(inst: Instance, numel_prefix, backward_prefix, least_compute):
+    """For every prefix ``t``: a lower bound ``E[t]`` of the network end ``e`` of any
+    grouping (and any modes) of units ``0..t-1`` (``E[0] = 0``).
+
+    ``least_compute[s]`` must be a lower bound of the compute end of every grouping of
+    ``0..s-1``. The last group ``s..t-1`` of a grouping maps its state ``(c, e)`` at
+    ``s`` to ``e' = max(e, c + X) + Y``, which grows with ``c`` and ``e``; so
+    ``E[t] = min_s max(E[s], least_compute[s] + X) + Y`` over every ``s < t`` and mode is
+    a lower bound by induction. Unlike a bound of the network work alone, it sees that a
+    collective cannot start before its group's compute is done, which is what makes
+    network-bound instances' suffix fronts small. Shrunk by ``1e-12`` against float
+    rounding (the searches compare with a tolerance of many ties anyway).
+    """
+    L = numel_prefix.size - 1
+    topk = inst.topk
+    c0, c1, c2 = topk.c0, topk.c1, topk.c2
+    alpha = inst.comm.alpha_s
+    beta_k = inst.comm.beta_s_per_byte * (inst.value_bytes + inst.index_bytes)
+    density = inst.density
+    has_dense = inst.dense is not None
+    if has_dense:
+        alpha_d = inst.dense.alpha_s
+        beta_d = inst.dense.beta_s_per_byte * inst.value_bytes
+    floor = np.zeros(L + 1)
+    # least_compute[s] + X(s..t-1) = shifted[s] + (B(0..t) + c0 + c1 * D(0..t)) + c2 term
+    shifted = least_compute - backward_prefix - c1 * numel_prefix
+    for t in range(1, L + 1):
+        D = numel_prefix[t] - numel_prefix[:t]
+        compute = shifted[:t] + (backward_prefix[t] + c0 + c1 * numel_prefix[t])
+        if c2:
+            compute += c2 * D * np.log2(D)
+        k = np.ceil(density * D)
+        np.maximum(k, 1.0, out=k)
+        e = np.maximum(floor[:t], compute)
+        e += alpha + beta_k * k
+        best = e.min()
+        if has_dense:
+            compute = least_compute[:t] + (backward_prefix[t] - backward_prefix[:t])
+            e = np.maximum(floor[:t], compute)
+            e += alpha_d + beta_d * D
+            best = min(best, e.min())
+        floor[t] = best
+    floor *= 1.0 - 1e-12
+    return floor
 
 
 def _least_topk_time(inst: Instance, numel_prefix) -> np.ndarray:
