@@ -125,11 +125,12 @@ def two_level_reference(local, old, groups, density, per_node, parked=()):
 # ----------------------------------------------------------------------------- workers
 def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumulate=False,
                      skip_b_on_odd_steps=False, env_local_world_size=None, dtype=torch.float32,
-                     preload=None, nonfinite_step=None, skip_b_parity=1):
+                     preload=None, nonfinite_step=None, skip_b_parity=1, report_instance=False):
     """``preload``: ``{"options": hook options, "steps": n}`` - train n steps with another
     hook state first and load its ``state_dict()`` (per-parameter residuals) into this
     one. ``nonfinite_step``: at that step rank 3's input holds inf (checked, not
-    compared with the reference, no optimiser step)."""
+    compared with the reference, no optimiser step). ``report_instance``: return the
+    hierarchy of the instance the hook plans with (``measured_instance()``, collective)."""
     from omgs_hook import hierarchical
 
     if env_local_world_size is not None:
@@ -250,6 +251,11 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
                          "residual_mass": sum(float(v.abs().sum()) for v in got.values())})
         opt.step()
     params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    planned = None
+    if report_instance:
+        instance = state.measured_instance()
+        planned = {"hierarchy": instance.to_dict().get("hierarchy"),
+                   "inter_dense_cost": instance.inter_dense_cost().to_dict()}
     stats = state.stats()
     summary = state.summary()
     caught.__exit__(None, None, None)
@@ -259,7 +265,7 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
     gc.collect()
     return {"worst": worst, "per_step": per_step, "stats": stats, "params": params,
             "summary": summary, "two_level_warnings": two_level_warnings,
-            "dense_paths": dense_paths, "nonfinite": nonfinite_log}
+            "dense_paths": dense_paths, "nonfinite": nonfinite_log, "planned": planned}
 
 
 def resume_worker(rank, world_size, ckpt_dir, first, second):
@@ -426,14 +432,20 @@ def test_two_level_matches_reference_across_plan_changes(tmp_path):
         "topk": {"backend": "sampled", "c0": 2e-4, "c1": 3e-9, "c2": 0.0},
         "ranks_per_node": PER_NODE,
         "intra": {"alpha_s": 2e-5, "beta_s_per_byte": 1e-10},
-        "inter": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7}}))
+        "inter": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7},
+        "inter_dense": {"alpha_s": 9e-4, "beta_s_per_byte": 6e-7}}))
     results = run_ranks("test_hierarchical", "reference_worker", world_size=WORLD, timeout=130,
                         hook_options={"strategy": "optimal", "warmup_steps": 1,
                                       "profile": str(profile)},
                         ddp_options={"gradient_as_bucket_view": True}, steps=9,
-                        env_local_world_size=PER_NODE)
+                        env_local_world_size=PER_NODE, report_instance=True)
     _check_reference(results)
     assert all(r["stats"]["planned_with"]["two_level_model"] is True for r in results)
+    # the profile's measured inter_dense reaches the planner: dense groups are priced by it
+    measured = {"alpha_s": 9e-4, "beta_s_per_byte": 6e-7}
+    for r in results:
+        assert r["planned"]["hierarchy"]["inter_dense"] == measured, r["planned"]
+        assert r["planned"]["inter_dense_cost"] == measured
     steps = results[0]["per_step"]
     assert steps[0]["inter"] > 0 and steps[0]["groups"] == steps[0]["dense"]  # the warm-up
     sparse_steps = [s for s in steps if s["dense"] < s["groups"]]

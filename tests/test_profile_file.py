@@ -247,3 +247,62 @@ def test_bad_two_level_fields_are_named(tmp_path, changes, field, message):
         load_profile(_write(tmp_path, document))
     assert info.value.field == field
     assert message in str(info.value)
+
+
+# ------------------------------------------------------------ inter_dense
+
+
+INTER_DENSE = {"alpha_s": 5e-4, "beta_s_per_byte": 3e-8}
+
+
+def test_inter_dense_round_trips_and_prices_dense_groups(tmp_path):
+    from omgs_hook.cost_model import Hierarchy, hierarchical_instance
+
+    document = dict(copy.deepcopy(TWO_LEVEL), inter_dense=dict(INTER_DENSE))
+    profile = load_profile(_write(tmp_path, document))
+    assert profile.inter_dense == LinearCost(**INTER_DENSE)
+    h = profile.hierarchy()
+    assert h.inter_dense == LinearCost(**INTER_DENSE)
+    assert Hierarchy.from_dict(h.to_dict()) == h  # and back through the instance format
+    assert h.to_dict()["inter_dense"] == INTER_DENSE
+    # a two-level instance built from it prices a dense group's inter-node all-reduce of
+    # its shard (S = 500 of D = 1000, 4 bytes each) by inter_dense, not the flat dense
+    flat = Instance((Unit(1000, 1e-3),), 4, 0.01, 0.0, profile.comm, profile.topk,
+                    dense=profile.dense)
+    inst = hierarchical_instance(flat, h.ranks_per_node, h.intra, h.inter, h.inter_dense)
+    assert inst.inter_dense_cost() == LinearCost(**INTER_DENSE)
+    assert inst.inter_allreduce_time(1000) == pytest.approx(5e-4 + 3e-8 * 4 * 500, rel=1e-12)
+    derived = hierarchical_instance(flat, h.ranks_per_node, h.intra, h.inter)
+    assert derived.inter_dense_cost() != inst.inter_dense_cost()
+    expected = (1e-3 + profile.intra.time(2000) + LinearCost(**INTER_DENSE).time(2000)
+                + profile.intra.time(2000))
+    assert simulate(inst, [[0]], [True]).comm_end_s == pytest.approx(expected, rel=1e-12)
+    assert simulate(derived, [[0]], [True]).comm_end_s != pytest.approx(expected, rel=1e-6)
+
+
+def test_two_level_profile_without_inter_dense_still_loads(tmp_path):
+    profile = load_profile(_write(tmp_path, TWO_LEVEL))
+    assert profile.inter_dense is None and profile.hierarchy().inter_dense is None
+
+
+@pytest.mark.parametrize("changes, field, message", [
+    ({"inter_dense": {"alpha_s": -1, "beta_s_per_byte": 0}}, "inter_dense.alpha_s",
+     "non-negative"),
+    ({"inter_dense": {"alpha_s": 1e-4}}, "inter_dense.beta_s_per_byte", "missing"),
+    ({"inter_dense": {"alpha_s": 1e-4, "beta_s_per_byte": "fast"}},
+     "inter_dense.beta_s_per_byte", "must be a number"),
+    ({"inter_dense": {"alpha_s": float("inf"), "beta_s_per_byte": 0}}, "inter_dense.alpha_s",
+     "finite"),
+    ({"inter_dense": [1, 2]}, "inter_dense", "must be an object"),
+    # without the two link classes it has nothing to belong to
+    ({"ranks_per_node": None, "intra": None, "inter": None}, "inter_dense",
+     "needs the two link classes"),
+])
+def test_bad_inter_dense_is_named(tmp_path, changes, field, message):
+    document = dict(copy.deepcopy(TWO_LEVEL), inter_dense=dict(INTER_DENSE))
+    document.update(changes)
+    document = {k: v for k, v in document.items() if v is not None}
+    with pytest.raises(ProfileError) as info:
+        profile_from_dict(json.loads(json.dumps(document, allow_nan=True)), "p.json")
+    assert info.value.field == field
+    assert message in str(info.value) and field in str(info.value)

@@ -196,18 +196,26 @@ def test_two_nodes_of_two_ranks_measure_both_link_classes(tmp_path):
                             "--reps", "3", "--warmup", "1"), cwd=tmp_path)
     document = json.loads(out.read_text())
     _check_document(document, world_size=4, reps=3)
-    assert set(document) == FLAT_KEYS | {"ranks_per_node", "intra", "inter", "topology",
-                                         "intra_parts"}
+    assert set(document) == FLAT_KEYS | {"ranks_per_node", "intra", "inter", "inter_dense",
+                                         "topology", "intra_parts"}
     assert document["ranks_per_node"] == 2
     assert document["topology"] == {"kind": "hierarchical", "nodes": 2, "ranks_per_node": 2,
                                     "requested": "auto"}
     sizes = document["settings"]["sizes_bytes"]
     for name in profile_run.LINK_SECTIONS:
         assert [r["bytes"] for r in document["samples"][name]] == sizes
-    for key in ("intra", "inter"):
+    for key in ("intra", "inter", "inter_dense"):
         line = document[key]
         assert set(line) == {"alpha_s", "beta_s_per_byte"}
         assert line["alpha_s"] >= 0 and line["beta_s_per_byte"] > 0
+    # inter_dense: the fit of the inter-node all-reduce of a dense shard, at its bytes
+    for point, row in zip(document["fit_errors"]["inter_dense"],
+                          document["samples"]["inter_all_reduce"]):
+        assert point["bytes"] == row["bytes"]
+        assert point["median_s"] == pytest.approx(statistics.median(row["seconds"]))
+        predicted = (document["inter_dense"]["alpha_s"]
+                     + document["inter_dense"]["beta_s_per_byte"] * row["bytes"])
+        assert point["rel_error"] == pytest.approx(predicted / point["median_s"] - 1)
     # intra is one line through both intra-node collectives' points, at the bytes each
     # rank contributes; each collective's own line is kept as a record
     assert set(document["intra_parts"]) == {"reduce_scatter", "all_gather"}
@@ -222,6 +230,7 @@ def test_two_nodes_of_two_ranks_measure_both_link_classes(tmp_path):
         assert point["rel_error"] == pytest.approx(predicted / point["median_s"] - 1)
     assert [p["bytes"] for p in document["fit_errors"]["inter"]] == sizes
     assert "two link classes: 2 nodes x 2 ranks" in result.stdout
+    assert re.search(r"inter_dense +alpha = ", result.stdout), result.stdout
     assert (tmp_path / "two_level.png").read_bytes()[:8] == PNG_MAGIC
 
     profile = load_profile(out)
@@ -232,13 +241,18 @@ def test_two_nodes_of_two_ranks_measure_both_link_classes(tmp_path):
     assert isinstance(hierarchy, Hierarchy)
     assert (hierarchy.ranks_per_node, hierarchy.intra, hierarchy.inter) == (
         2, profile.intra, profile.inter)
+    assert hierarchy.inter_dense == profile.inter_dense
+    assert profile.inter_dense.beta_s_per_byte == document["inter_dense"]["beta_s_per_byte"]
     # and it prices a two-level instance
     flat = Instance(layers=[Unit(numel=100_000, backward_s=1e-3)], world_size=4,
                     density=0.01, forward_s=1e-3, comm=profile.comm, topk=profile.topk)
     two_level = hierarchical_instance(flat, hierarchy.ranks_per_node, hierarchy.intra,
-                                      hierarchy.inter)
+                                      hierarchy.inter, hierarchy.inter_dense)
     assert two_level.inter_allgather_time(100_000) == pytest.approx(
         profile.inter.alpha_s + profile.inter.beta_s_per_byte * 8 * 500)
+    # a dense group's inter-node all-reduce of its 50,000-element shard: by inter_dense
+    assert two_level.inter_allreduce_time(100_000) == pytest.approx(
+        profile.inter_dense.alpha_s + profile.inter_dense.beta_s_per_byte * 4 * 50_000)
 
 
 @pytest.mark.parametrize("env, option, ranks_per_node, expected", [
@@ -295,9 +309,10 @@ def test_the_intra_fit_is_one_line_through_both_collectives_at_contributed_bytes
     def rows(alpha, beta, scale=1.0):
         return [{"bytes": b, "seconds": [scale * (alpha + beta * b)] * 3} for b in sizes]
 
+    inter_dense = (4e-4, 2e-8)
     samples = {"all_gather": rows(*inter), "all_reduce": rows(*inter),
                "intra_reduce_scatter": rows(*intra), "intra_all_gather": rows(*intra),
-               "inter_all_gather": rows(*inter),
+               "inter_all_gather": rows(*inter), "inter_all_reduce": rows(*inter_dense),
                "topk": {"torch": [{"numel": d, "k": 1, "seconds": [1e-4 + 1e-9 * d]}
                                   for d in (1000, 10000, 100000)]}}
     fits, errors = profile_run.fit_samples(samples)
@@ -307,6 +322,14 @@ def test_the_intra_fit_is_one_line_through_both_collectives_at_contributed_bytes
     for part in ("reduce_scatter", "all_gather"):
         assert fits["intra_parts"][part].beta_s_per_byte == pytest.approx(intra[1], rel=1e-6)
     assert len(errors["intra"]) == 2 * len(sizes) and len(errors["inter"]) == len(sizes)
+    # the inter-node all-reduce of a dense shard gets its own line, inter_dense
+    assert fits["inter_dense"].alpha_s == pytest.approx(inter_dense[0], rel=1e-6)
+    assert fits["inter_dense"].beta_s_per_byte == pytest.approx(inter_dense[1], rel=1e-6)
+    assert [p["bytes"] for p in errors["inter_dense"]] == sizes
+    # samples from before it was measured still give intra and inter, and no inter_dense
+    older = {k: v for k, v in samples.items() if k != "inter_all_reduce"}
+    fits_older, _ = profile_run.fit_samples(older)
+    assert "inter" in fits_older and "inter_dense" not in fits_older
     # a slower reduce-scatter pulls the joint line between the two collectives' lines
     samples["intra_reduce_scatter"] = rows(*intra, scale=2.0)
     fits, _ = profile_run.fit_samples(samples)
@@ -315,7 +338,50 @@ def test_the_intra_fit_is_one_line_through_both_collectives_at_contributed_bytes
     # a flat sweep's samples fit as before: no link classes
     flat = {k: v for k, v in samples.items() if k not in profile_run.LINK_SECTIONS}
     fits, errors = profile_run.fit_samples(flat)
-    assert "intra" not in fits and "inter" not in errors
+    assert "intra" not in fits and "inter" not in errors and "inter_dense" not in fits
+
+
+def test_a_two_level_document_writes_inter_dense_and_loads_it_back(tmp_path):
+    # simulated samples through the real fit, document, validation, file and plot code
+    from omgs_hook.topology import Topology
+
+    sizes = [1024, 8192, 65536, 524288]
+
+    def rows(alpha, beta):
+        return [{"bytes": b, "seconds": [alpha + beta * b] * 3} for b in sizes]
+
+    samples = {"all_gather": rows(3e-4, 8e-9), "all_reduce": rows(3e-4, 6e-9),
+               "intra_reduce_scatter": rows(2e-5, 1e-10), "intra_all_gather": rows(2e-5, 1e-10),
+               "inter_all_gather": rows(3e-4, 8e-9), "inter_all_reduce": rows(4e-4, 2e-8),
+               "topk": {"torch": [{"numel": d, "k": 1, "seconds": [1e-4 + 1e-9 * d] * 3}
+                                  for d in (1000, 10000, 100000)]}}
+    fits, errors = profile_run.fit_samples(samples)
+    document = profile_run.build_document(
+        samples=samples, fits=fits, errors=errors, default_backend="torch", world_size=4,
+        backend="gloo", device=torch.device("cpu"), settings={"topk_density": 0.01},
+        topo=Topology("hierarchical", 2, 2, 0))
+    assert document["inter_dense"] == fits["inter_dense"].to_cost().to_dict()
+    out = tmp_path / "two_level.json"
+    profile_run.write_json_atomically(out, document)
+    profile = load_profile(out)
+    assert profile.inter_dense.alpha_s == pytest.approx(4e-4, rel=1e-6)
+    assert profile.inter_dense.beta_s_per_byte == pytest.approx(2e-8, rel=1e-6)
+    assert profile.hierarchy().inter_dense == profile.inter_dense
+    summary = profile_run._summary(document, str(out), None, 1.0)
+    assert "inter_dense" in summary
+    pytest.importorskip("matplotlib")
+    profile_run.plot_profile(document, tmp_path / "two_level.png")
+    assert (tmp_path / "two_level.png").read_bytes()[:8] == PNG_MAGIC
+    # a document of an older two-level sweep (no inter-node all-reduce) has no inter_dense
+    older = {k: v for k, v in samples.items() if k != "inter_all_reduce"}
+    fits, errors = profile_run.fit_samples(older)
+    document = profile_run.build_document(
+        samples=older, fits=fits, errors=errors, default_backend="torch", world_size=4,
+        backend="gloo", device=torch.device("cpu"), settings={"topk_density": 0.01},
+        topo=Topology("hierarchical", 2, 2, 0))
+    assert "inter_dense" not in document
+    assert load_profile(out).inter_dense is not None
+    profile_run.plot_profile(document, tmp_path / "older.png")
 
 
 def test_script_does_not_shadow_the_stdlib_profile_module():

@@ -22,6 +22,7 @@ record of how the numbers were obtained)::
       "ranks_per_node": 4,                                       *  (optional, two-level)
       "intra": {"alpha_s": 2e-5, "beta_s_per_byte": 1e-11},      *  (with ranks_per_node)
       "inter": {"alpha_s": 3e-4, "beta_s_per_byte": 8e-9},       *  (with ranks_per_node)
+      "inter_dense": {"alpha_s": 3e-4, "beta_s_per_byte": 9e-9}, *  (optional, with them)
       "settings": {...}, "samples": {...}, "fit_errors": {...}
     }
 
@@ -30,7 +31,10 @@ collective among the node's ``ranks_per_node`` ranks (reduce-scatter / all-gathe
 ``inter`` the packed sparse all-gather among the ``world_size / ranks_per_node`` ranks
 with the same local rank, timed with all local ranks exchanging at once; both against
 the bytes one rank contributes, as :class:`omgs_hook.cost_model.Hierarchy` expects
-(:meth:`Profile.hierarchy`). Files without them load as before.
+(:meth:`Profile.hierarchy`). Files without them load as before. ``inter_dense``
+(optional, only next to the three) is the all-reduce of a dense group's float32 shard
+among those same ranks, all local ranks at once, against the shard's bytes; without it
+the cost model derives it from ``dense`` (``Instance.inter_dense_cost``).
 
 Byte conventions (they must match the planner's ``Instance``): ``comm`` is timed
 against the bytes ONE rank contributes to the packed all-gather (``k`` values + ``k``
@@ -75,6 +79,8 @@ class Profile:
     source: one line saying where the numbers come from.
     ranks_per_node, intra, inter: the two link classes of a multi-GPU-node profile
         (all None for a flat profile; see the module docstring).
+    inter_dense: the measured inter-node all-reduce of a dense group's shard (None when
+        the file has none: older two-level profiles, flat profiles).
     """
 
     comm: LinearCost
@@ -91,6 +97,7 @@ class Profile:
     ranks_per_node: "int | None" = None
     intra: "LinearCost | None" = None
     inter: "LinearCost | None" = None
+    inter_dense: "LinearCost | None" = None
 
     def topk_for(self, backend):
         """The top-k cost of ``backend``; falls back to :attr:`topk` when it was not measured."""
@@ -98,10 +105,11 @@ class Profile:
 
     def hierarchy(self):
         """The :class:`~omgs_hook.cost_model.Hierarchy` of a two-level profile, else None
-        (``cost_model.hierarchical_instance(flat, h.ranks_per_node, h.intra, h.inter)``)."""
+        (``cost_model.hierarchical_instance(flat, h.ranks_per_node, h.intra, h.inter,
+        h.inter_dense)``); its ``inter_dense`` is None when the file has none."""
         if self.ranks_per_node is None:
             return None
-        return Hierarchy(self.ranks_per_node, self.intra, self.inter)
+        return Hierarchy(self.ranks_per_node, self.intra, self.inter, self.inter_dense)
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,7 +279,7 @@ def profile_from_dict(data, path="<profile>"):
             _fail(path, "settings.topk_density", f"must be a number in (0, 1], got {density!r}")
         density = float(density)
 
-    ranks_per_node, intra, inter = _link_classes(path, data, world_size)
+    ranks_per_node, intra, inter, inter_dense = _link_classes(path, data, world_size)
 
     return Profile(
         comm=comm,
@@ -284,6 +292,7 @@ def profile_from_dict(data, path="<profile>"):
         ranks_per_node=ranks_per_node,
         intra=intra,
         inter=inter,
+        inter_dense=inter_dense,
         path=None if path == "<profile>" else str(path),
         topk_all=topk_all,
         topk_density=density,
@@ -295,10 +304,14 @@ _LINK_KEYS = ("ranks_per_node", "intra", "inter")
 
 
 def _link_classes(path, data, world_size):
-    """(ranks_per_node, intra, inter) of a two-level profile, or three Nones."""
+    """(ranks_per_node, intra, inter, inter_dense) of a two-level profile (inter_dense
+    None when absent), or four Nones."""
     present = [key for key in _LINK_KEYS if data.get(key) is not None]
     if not present:
-        return None, None, None
+        if data.get("inter_dense") is not None:
+            _fail(path, "inter_dense", f"needs the two link classes "
+                                       f"({', '.join(_LINK_KEYS)}), which are missing")
+        return None, None, None, None
     for key in _LINK_KEYS:
         if data.get(key) is None:
             _fail(path, key, f"missing (a two-level profile needs all of "
@@ -309,7 +322,11 @@ def _link_classes(path, data, world_size):
     if world_size % ranks:
         _fail(path, "ranks_per_node",
               f"world_size {world_size} is not divisible by ranks_per_node {ranks}")
-    return ranks, _linear(path, data, "intra"), _linear(path, data, "inter")
+    intra, inter = _linear(path, data, "intra"), _linear(path, data, "inter")
+    inter_dense = None
+    if data.get("inter_dense") is not None:
+        inter_dense = _linear(path, data, "inter_dense")
+    return ranks, intra, inter, inter_dense
 
 
 def load_profile(path):

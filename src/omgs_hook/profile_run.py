@@ -30,8 +30,11 @@ What is measured (every rank takes part; rank 0 writes the results):
    points are fitted by one line, since the cost model prices both by ``intra`` per byte
    each rank contributes. ``inter`` times the packed sparse all-gather (as in 1.) among
    the N ranks with the same local rank, with all L inter-node groups exchanging at
-   the same time (they share the node's network link). Written as ``ranks_per_node``,
-   ``intra`` and ``inter``; flat worlds write none of them.
+   the same time (they share the node's network link). ``inter_dense`` times the
+   two-level dense path's inter-node all-reduce of a float32 shard (size = the shard's
+   bytes) among those same N ranks, again all L groups at once. Written as
+   ``ranks_per_node``, ``intra``, ``inter`` and ``inter_dense``; flat worlds write none
+   of them.
 
 Every measurement is repeated: ``--warmup`` untimed calls first (connection set-up,
 allocator, CuPy kernel compilation), then ``--reps`` timed calls, each preceded by a
@@ -120,10 +123,12 @@ PROBE_CALLS = 2
 # how the budget is split; what a part leaves unused goes to the parts after it
 SECTION_WEIGHTS = {"all_gather": 0.4, "all_reduce": 0.3, "topk": 0.3}
 # ... and on a multi-GPU-node world, with the two link classes (intra: two sections)
-HIERARCHICAL_SECTION_WEIGHTS = {"all_gather": 0.25, "all_reduce": 0.2,
-                                "intra_reduce_scatter": 0.1, "intra_all_gather": 0.1,
-                                "inter_all_gather": 0.15, "topk": 0.2}
-LINK_SECTIONS = ("intra_reduce_scatter", "intra_all_gather", "inter_all_gather")
+HIERARCHICAL_SECTION_WEIGHTS = {"all_gather": 0.22, "all_reduce": 0.18,
+                                "intra_reduce_scatter": 0.08, "intra_all_gather": 0.08,
+                                "inter_all_gather": 0.14, "inter_all_reduce": 0.1,
+                                "topk": 0.2}
+LINK_SECTIONS = ("intra_reduce_scatter", "intra_all_gather", "inter_all_gather",
+                 "inter_all_reduce")
 QUICK_SIZES = (1024, 8192, 65536)
 QUICK_TOPK_SIZES = (1000, 10000, 100000)
 QUICK_REPS = 3
@@ -741,6 +746,18 @@ def inter_all_gather_call(nbytes, device, generator, group):
     return packed_allgather_call(nbytes, device, generator, group)
 
 
+def inter_all_reduce_call(nbytes, device, _generator, group):
+    """The two-level dense path's middle stage: the all-reduce of a float32 shard of
+    ``nbytes`` among the N ranks with this rank's local rank (``group``), every rank at
+    once, as the L inter-node groups of a node do in training."""
+    tensor = torch.zeros(max(1, nbytes // 4), device=device)  # zeros: see dense_allreduce_call
+
+    def call():
+        communicator.allreduce_async(tensor, process_group=group).wait()
+
+    return call
+
+
 def topk_call(selector, numel, density, device, generator):
     x = torch.randn(numel, generator=generator).to(device)
     k = selected_k(numel, density)
@@ -787,7 +804,9 @@ def measure(settings, topk_backends, density, device, progress, subgroups=None):
                   ("intra_all_gather", weights["intra_all_gather"], settings.sizes,
                    collective(intra_all_gather_call, subgroups.intra)),
                   ("inter_all_gather", weights["inter_all_gather"], settings.sizes,
-                   collective(inter_all_gather_call, subgroups.inter))]
+                   collective(inter_all_gather_call, subgroups.inter)),
+                  ("inter_all_reduce", weights["inter_all_reduce"], settings.sizes,
+                   collective(inter_all_reduce_call, subgroups.inter))]
     for backend in topk_backends:
         parts.append((f"topk:{backend}", weights["topk"] / len(topk_backends),
                       settings.topk_sizes, selection(get_selector(backend, device))))
@@ -823,7 +842,8 @@ def fit_samples(samples):
         fits[key] = fit
         errors[key] = [{"bytes": r["bytes"], "median_s": m, "rel_error": e}
                        for r, m, e in zip(rows, medians, fit.rel_errors)]
-    if all(name in samples for name in LINK_SECTIONS):
+    # inter_all_reduce is fitted when present (samples from before it was measured lack it)
+    if all(name in samples for name in LINK_SECTIONS if name != "inter_all_reduce"):
         fits.update(_fit_link_classes(samples, errors))
     fits["topk_all"], errors["topk"] = {}, {}
     for backend, rows in samples["topk"].items():
@@ -865,6 +885,13 @@ def _fit_link_classes(samples, errors):
     fits["inter"] = fit_linear_relative([r["bytes"] for r in rows], medians, robust=ROBUST_FIT)
     errors["inter"] = [{"bytes": r["bytes"], "median_s": m, "rel_error": e}
                        for r, m, e in zip(rows, medians, fits["inter"].rel_errors)]
+    rows = samples.get("inter_all_reduce")
+    if rows:
+        medians = [_median(r["seconds"]) for r in rows]
+        fit = fit_linear_relative([r["bytes"] for r in rows], medians, robust=ROBUST_FIT)
+        fits["inter_dense"] = fit
+        errors["inter_dense"] = [{"bytes": r["bytes"], "median_s": m, "rel_error": e}
+                                 for r, m, e in zip(rows, medians, fit.rel_errors)]
     return fits
 
 
@@ -879,9 +906,10 @@ def _cupy_version():
 def build_document(*, samples, fits, errors, default_backend, world_size, backend, device,
                    settings, sweep=None, topo=None):
     """The profile document; ``topo`` (a hierarchical :class:`~omgs_hook.topology.Topology`,
-    with ``fits`` holding ``intra``/``inter``) adds the two link classes - ``ranks_per_node``,
-    ``intra``, ``inter`` (read by ``load_profile``), ``topology`` and ``intra_parts``
-    (records) - after ``dense``; without it the document has none of these keys."""
+    with ``fits`` holding ``intra``/``inter`` and maybe ``inter_dense``) adds the two link
+    classes - ``ranks_per_node``, ``intra``, ``inter``, ``inter_dense`` (read by
+    ``load_profile``), ``topology`` and ``intra_parts`` (records) - after ``dense``;
+    without it the document has none of these keys."""
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     topk = fits["topk_all"][default_backend]
     links = {}
@@ -890,6 +918,8 @@ def build_document(*, samples, fits, errors, default_backend, world_size, backen
             "ranks_per_node": topo.ranks_per_node,
             "intra": fits["intra"].to_cost().to_dict(),
             "inter": fits["inter"].to_cost().to_dict(),
+            **({"inter_dense": fits["inter_dense"].to_cost().to_dict()}
+               if "inter_dense" in fits else {}),
             "topology": {"kind": topo.kind, "nodes": topo.nodes,
                          "ranks_per_node": topo.ranks_per_node, "requested": topo.requested},
             "intra_parts": {name: fit.to_cost().to_dict()
@@ -959,13 +989,20 @@ def plot_profile(document, path):
         for name, key, color, marker in (
                 ("intra reduce-scatter", "intra_reduce_scatter", "tab:green", "s"),
                 ("intra all-gather", "intra_all_gather", "tab:green", "^"),
-                ("inter all-gather (packed)", "inter_all_gather", "tab:red", "o")):
-            rows = samples[key]
+                ("inter all-gather (packed)", "inter_all_gather", "tab:red", "o"),
+                ("inter all-reduce (dense shard)", "inter_all_reduce", "tab:purple", "D")):
+            rows = samples.get(key)
+            if not rows:
+                continue
             x = np.array([r["bytes"] for r in rows], dtype=float)
             med = np.array([_median(r["seconds"]) for r in rows])
             left.plot(x, med, marker, color=color, fillstyle="none", label=f"{name}: median")
-        for key, color in (("intra", "tab:green"), ("inter", "tab:red")):
-            rows = samples["inter_all_gather" if key == "inter" else "intra_all_gather"]
+        for key, color, section in (("intra", "tab:green", "intra_all_gather"),
+                                    ("inter", "tab:red", "inter_all_gather"),
+                                    ("inter_dense", "tab:purple", "inter_all_reduce")):
+            if key not in document:
+                continue
+            rows = samples[section]
             x = np.array([r["bytes"] for r in rows], dtype=float)
             alpha, beta = document[key]["alpha_s"], document[key]["beta_s_per_byte"]
             line_x = np.geomspace(x.min(), x.max(), 100)
@@ -1018,7 +1055,10 @@ def _summary(document, out, plot_path, elapsed):
     if "intra" in document:
         t = document["topology"]
         lines.append(f"  two link classes: {t['nodes']} nodes x {t['ranks_per_node']} ranks")
-        for key, label in (("intra", "intra"), ("inter", "inter")):
+        for key, label in (("intra", "intra"), ("inter", "inter"),
+                           ("inter_dense", "inter_dense")):
+            if key not in document:
+                continue
             fit = document[key]
             worst = max(abs(p["rel_error"]) for p in document["fit_errors"][key])
             lines.append(f"  {label:<10} alpha = {fit['alpha_s'] * 1e3:.4g} ms, beta = "
