@@ -567,6 +567,11 @@ def variant_report(variant):
             "achieved_density": last.get("density"),
             "nonfinite_steps": stats["total"].get("nonfinite_steps"),
             "replayed_prediction_s": replayed_prediction(variant),
+            # the model's inputs (measured collective scaling included) and its check
+            # against the plan's own steps
+            "planned_with": _json_safe(stats.get("planned_with")),
+            "model_check": _json_safe(stats.get("model_check")),
+            "cost_correction": _json_safe(stats.get("cost_correction")),
         }
     elif variant.name == "powersgd" and state is not None:
         rate = state.compression_stats()[0]  # (rate, numel before, numel after)
