@@ -670,3 +670,56 @@ def test_two_level_dense_groups_raise_on_nonfinite_when_asked():
         assert r["dense"] == [True] * len(GROUPS), r
         assert r["outcomes"][:3] == [None, None, None], r
         assert r["outcomes"][3] is not None and "NaN/Inf" in r["outcomes"][3], r
+
+
+def disagreeing_topology_worker(rank, world_size):
+    """Rank 3 resolves another topology than ranks 0-2: registration must fail on every
+    rank with a ValueError naming the option, before any ``new_group`` waits."""
+    from omgs_hook import topology
+
+    out = {}
+    for case, odd in (("ranks_per_node 4", {"ranks_per_node": 4}),
+                      ("ranks_per_node 1", {"ranks_per_node": 1})):
+        options = {"topology": "hierarchical", "ranks_per_node": PER_NODE}
+        if rank == 3:
+            options.update(odd)
+        ddp = DDP(Net(), bucket_cap_mb=0)
+        try:
+            omgs_hook.register(ddp, density=DENSITY, **options)
+            out[case] = "no error"
+        except ValueError as exc:
+            out[case] = str(exc)
+        del ddp
+        gc.collect()
+    # flat against hierarchical, at the level of the check itself (every rank calls it)
+    topo = resolve_topology("flat" if rank == 3 else "hierarchical", PER_NODE, world_size, rank)
+    try:
+        topology.check_agreement(topo)
+        out["flat against hierarchical"] = "no error"
+    except ValueError as exc:
+        out["flat against hierarchical"] = str(exc)
+    # ranks that agree pass; flat ranks may differ in ranks_per_node (only byte labels)
+    topology.check_agreement(resolve_topology("hierarchical", PER_NODE, world_size, rank))
+    topology.check_agreement(resolve_topology("flat", 4 if rank == 0 else None, world_size, rank))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_ranks_that_disagree_on_the_topology_fail_clearly_on_every_rank():
+    # a short process-group timeout: without the check, new_group would wait for it
+    results = run_ranks("test_hierarchical", "disagreeing_topology_worker", world_size=WORLD,
+                        timeout=75, pg_timeout_s=20)
+    for r in results:  # the same error on every rank, naming the option and both sides
+        text = r["ranks_per_node 4"]
+        assert text.startswith("ranks_per_node: the ranks resolved different topologies"), text
+        assert ("ranks 0-2: hierarchical with ranks_per_node=2 (topology='hierarchical'); "
+                "rank 3: hierarchical with ranks_per_node=4") in text, text
+        text = r["ranks_per_node 1"]
+        assert text.startswith("ranks_per_node:") and "rank 3: hierarchical with " \
+            "ranks_per_node=1" in text, text
+        text = r["flat against hierarchical"]
+        assert text.startswith("topology:"), text
+        assert "ranks 0-2: hierarchical with ranks_per_node=2" in text, text
+        assert "rank 3: flat with ranks_per_node=2 (topology='flat')" in text, text
+    assert len({json.dumps(r, sort_keys=True) for r in results}) == 1

@@ -16,7 +16,10 @@ rank per node (the reduce-scatter and the final all-gather are then over one ran
 uses - one *intra-node* group per node (its L ranks) and one *inter-node* group per local
 rank (the N ranks with that local rank, one per node) - once, with every rank calling
 ``torch.distributed.new_group`` for every subgroup in the same order (new_group must be
-called by all ranks of the parent group, also for groups they are not in).
+called by all ranks of the parent group, also for groups they are not in). Before it
+creates any, it checks with :func:`check_agreement` (one small all-gather) that every
+rank resolved the same topology: ranks that disagree would otherwise wait in
+``new_group`` for each other until the process group's timeout.
 """
 
 import dataclasses
@@ -116,11 +119,88 @@ class Subgroups:
     inter: object
 
 
-def build_subgroups(topo, process_group=None):
-    """Create every intra- and inter-node group (collective over ``process_group``: every
-    rank calls this, in the same order) and return this rank's :class:`Subgroups`."""
+_KIND_CODES = {"flat": 0, "hierarchical": 1}
+_REQUESTED_CODES = {name: i for i, name in enumerate(TOPOLOGIES)}
+
+
+def _agreement_device(process_group):
+    """Where the agreement's tensor must live: for an NCCL-only group the GPU it is bound
+    to (``init_process_group(device_id=...)``), else the current one - as torch's own
+    object collectives do, so set the device first; the CPU otherwise (gloo, or a group
+    with a CPU backend besides NCCL)."""
+    import torch
     import torch.distributed as dist
 
+    backend = str(dist.get_backend(process_group)).lower()
+    if "nccl" in backend and "gloo" not in backend and "cpu:" not in backend:
+        group = process_group if process_group is not None else dist.group.WORLD
+        bound = getattr(group, "bound_device_id", None)
+        return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _describe_values(kind, ranks_per_node, requested):
+    return f"{kind} with ranks_per_node={ranks_per_node} (topology={requested!r})"
+
+
+def _rank_ranges(ranks):
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
+    spans, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            spans.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
+
+
+def check_agreement(topo, process_group=None):
+    """Check that every rank of ``process_group`` (default: the default group) resolved
+    the same topology kind and - for the two-level exchange - the same ranks per node,
+    with one all-gather of three integers. Collective: every rank must call it, flat or
+    not. Raises the same ValueError on every rank, naming the option(s) that differ
+    (``topology``, ``ranks_per_node``) and each rank's values. Flat ranks may differ in
+    ``ranks_per_node`` (it only labels their byte counts)."""
+    import torch
+    import torch.distributed as dist
+
+    device = _agreement_device(process_group)
+    mine = torch.tensor([_KIND_CODES[topo.kind], topo.ranks_per_node,
+                         _REQUESTED_CODES.get(topo.requested, -1)],
+                        dtype=torch.int64, device=device)
+    world = dist.get_world_size(process_group)
+    table = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(table, mine, group=process_group)
+    rows = [tuple(int(v) for v in row) for row in table.view(world, -1).cpu().tolist()]
+    kinds = {row[0] for row in rows}
+    per_node = {row[1] for row in rows if row[0] == _KIND_CODES["hierarchical"]}
+    if len(kinds) == 1 and len(per_node) <= 1:
+        return
+    options = ([] if len(kinds) == 1 else ["topology"]) + (
+        ["ranks_per_node"] if len(per_node) > 1 or len({row[1] for row in rows}) > 1 else [])
+    kind_names = {code: name for name, code in _KIND_CODES.items()}
+    requested_names = {code: name for name, code in _REQUESTED_CODES.items()}
+    by_values = {}
+    for rank, (kind, per, requested) in enumerate(rows):
+        values = _describe_values(kind_names[kind], per, requested_names.get(requested, "?"))
+        by_values.setdefault(values, []).append(rank)
+    detail = "; ".join(f"{_rank_ranges(ranks)}: {values}" for values, ranks in by_values.items())
+    raise ValueError(
+        f"{'/'.join(options)}: the ranks resolved different topologies ({detail}); every "
+        "rank must pass the same topology and ranks_per_node (with torchrun: every node "
+        "the same LOCAL_WORLD_SIZE)")
+
+
+def build_subgroups(topo, process_group=None):
+    """Create every intra- and inter-node group (collective over ``process_group``: every
+    rank calls this, in the same order) and return this rank's :class:`Subgroups`.
+    Checks first that every rank resolved the same topology (:func:`check_agreement`),
+    so that disagreeing ranks fail with a ValueError instead of waiting in ``new_group``."""
+    import torch.distributed as dist
+
+    check_agreement(topo, process_group)
     L, N = topo.ranks_per_node, topo.nodes
 
     def global_rank(r):
