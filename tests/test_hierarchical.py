@@ -59,20 +59,33 @@ def gather(obj):
     return out
 
 
-def two_level_reference(local, old, groups, density, per_node, parked=()):
+def two_level_reference(local, old, groups, density, per_node, parked=(), clip_norm=None,
+                        factors=None):
     """local/old: per rank {name: flat tensor}; groups: [(names, dense)]. Returns the
-    averaged gradient {name: tensor} and each rank's new residual {name: tensor}."""
+    averaged gradient {name: tensor} and each rank's new residual {name: tensor}.
+    ``clip_norm``: ``local_clip_norm`` - each rank's gradient of a group of D elements
+    (out of all T) is scaled to an L2 norm of at most ``clip_norm * sqrt(D / T) /
+    sqrt(world)`` before its residual is added; the scale factors go to ``factors``."""
     world = len(local)
     nodes = world // per_node
+    total_numel = sum(t.numel() for t in local[0].values())
     avg, new = {}, [dict() for _ in range(world)]
     for names, dense in groups:
         sizes = [local[0][n].numel() for n in names]
         numel = sum(sizes)
+        scale = [1.0] * world
+        if clip_norm is not None:
+            limit = clip_norm * math.sqrt(numel / total_numel) / math.sqrt(world)
+            for r in range(world):
+                norm = float(torch.cat([local[r][n].double() for n in names]).norm())
+                scale[r] = min(1.0, limit / norm) if norm > 0 else 1.0
+            if factors is not None:
+                factors.append((tuple(names), dense, scale))
 
         def cat(r, with_residual):
             parts = []
             for n in names:
-                g = local[r][n].double()
+                g = local[r][n].double() * scale[r]
                 if with_residual and n not in parked and n in old[r]:
                     g = g + old[r][n].double()
                 parts.append(g)
@@ -167,6 +180,7 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
     warnings.simplefilter("always")
     worst = {"grad": 0.0, "residual": 0.0, "conservation": 0.0, "parked_changed": 0}
     per_step = []
+    clip_factors = []  # the reference's (group, dense, per-rank factor) with local_clip_norm
     nonfinite_log = None
     for step in range(steps):
         micro = [tuple(t.to(dtype) for t in batch(step, rank, m))
@@ -206,8 +220,11 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
         last = state.stats()["last"]
         groups = list(zip(last["group_keys"], last["group_dense"]))
         unused = {n for n, p in reference_model.named_parameters() if p.grad is None}
+        clipped_before = len(clip_factors)
         avg, new = two_level_reference(all_local, all_old, groups, last["step_density"],
-                                       PER_NODE, parked=unused)
+                                       PER_NODE, parked=unused,
+                                       clip_norm=hook_options.get("local_clip_norm"),
+                                       factors=clip_factors)
         got = flat_residuals(state)
         for name, p in model.named_parameters():
             if p.grad is None:  # unused on every rank: the residual is exactly kept
@@ -227,11 +244,14 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
             worst["residual"] = max(worst["residual"],
                                     float((mine - new[rank][name]).abs().max()))
         # conservation with the hook's own outputs: sum(local + old) == W * avg + sum(new)
+        # (local: after the reference's clipping, when local_clip_norm is on)
+        scale = {n: f for names, _, f in clip_factors[clipped_before:] for n in names}
         all_new = gather(got)
         for name, p in model.named_parameters():
             if p.grad is None:
                 continue
-            lhs = sum(all_local[r][name].double() + all_old[r].get(name, torch.zeros(p.numel()))
+            lhs = sum(all_local[r][name].double() * scale.get(name, [1.0] * world_size)[r]
+                      + all_old[r].get(name, torch.zeros(p.numel()))
                       for r in range(world_size))
             # the hook's own fp32 output; a bf16 gradient holds it rounded: use the reference's
             written = p.grad.reshape(-1).double() if dtype == torch.float32 else avg[name]
@@ -265,7 +285,8 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
     gc.collect()
     return {"worst": worst, "per_step": per_step, "stats": stats, "params": params,
             "summary": summary, "two_level_warnings": two_level_warnings,
-            "dense_paths": dense_paths, "nonfinite": nonfinite_log, "planned": planned}
+            "dense_paths": dense_paths, "nonfinite": nonfinite_log, "planned": planned,
+            "clip_factors": clip_factors}
 
 
 def resume_worker(rank, world_size, ckpt_dir, first, second):
@@ -527,6 +548,36 @@ def test_two_level_dense_groups_match_reference():
         bad = r["nonfinite"]
         assert bad["nonfinite"] and bad["dense_groups"] == 3 and not bad["grads_finite"], bad
         assert bad["residual_unchanged"], bad
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_two_level_dense_groups_clip_the_local_gradient_as_the_reference_says():
+    # local_clip_norm on the pinned mixed plan (three two-level dense groups, one sparse),
+    # with residuals loaded first: each rank's gradient alone is scaled before its
+    # residual is added (clipping gradient + residual, or not clipping, fails the
+    # comparison); small enough that every group on every rank is clipped
+    sparse_plan = {"groups": GROUPS, "dense": [False] * 4}
+    mixed_plan = {"groups": GROUPS, "dense": [True, True, True, False]}
+    common = {"warmup_steps": 1, "topology": "hierarchical", "ranks_per_node": PER_NODE}
+    results = run_ranks("test_hierarchical", "reference_worker", world_size=WORLD, timeout=130,
+                        hook_options=dict(common, plan=mixed_plan, local_clip_norm=0.3),
+                        ddp_options={"find_unused_parameters": True}, steps=4,
+                        skip_b_on_odd_steps=True, skip_b_parity=0,
+                        preload={"options": dict(common, plan=sparse_plan), "steps": 3})
+    _check_reference(results)
+    for r in results:
+        steps = r["per_step"]
+        assert [s["dense"] for s in steps] == [3] * 4, steps
+        assert steps[0]["residual_mass"] > 0
+        dense_factors = [f for _, dense, scale in r["clip_factors"] if dense for f in scale]
+        assert len(dense_factors) == 4 * 3 * WORLD
+        # clipping acts on every dense group of every rank, except b's while it is unused
+        # (steps 0 and 2: a zero gradient)
+        clipped = [f for f in dense_factors if f < 1.0]
+        assert len(clipped) == (4 * 3 - 2) * WORLD and max(clipped) < 0.9, dense_factors
+        # staged, never in place: the clipped gradient is not the bucket's
+        assert r["dense_paths"]["in_place"] == 0 and r["dense_paths"]["staged"] > 0, r
 
 
 @pytest.mark.multiprocess
