@@ -679,6 +679,7 @@ def run_configuration(cluster, density, args, workdir):
         "load_before": load_before, "load_after": bench.load_average(),
         "profile": {key: profile.get(key) for key in
                     ("comm", "dense", "topk", "world_size", "ranks_per_node", "intra", "inter",
+                     "inter_dense",
                      "settings", "fit_errors")},
         "profile_s": profile_s, "bench_s": bench_s, **measured,
     }

@@ -730,7 +730,8 @@ def disagreeing_topology_worker(rank, world_size):
 
     out = {}
     for case, odd in (("ranks_per_node 4", {"ranks_per_node": 4}),
-                      ("ranks_per_node 1", {"ranks_per_node": 1})):
+                      ("ranks_per_node 1", {"ranks_per_node": 1}),
+                      ("flat via register", {"topology": "flat"})):
         options = {"topology": "hierarchical", "ranks_per_node": PER_NODE}
         if rank == 3:
             options.update(odd)
@@ -769,6 +770,8 @@ def test_ranks_that_disagree_on_the_topology_fail_clearly_on_every_rank():
         text = r["ranks_per_node 1"]
         assert text.startswith("ranks_per_node:") and "rank 3: hierarchical with " \
             "ranks_per_node=1" in text, text
+        text = r["flat via register"]  # the flat rank checks too: nobody waits
+        assert text.startswith("topology:") and "rank 3: flat" in text, text
         text = r["flat against hierarchical"]
         assert text.startswith("topology:"), text
         assert "ranks 0-2: hierarchical with ranks_per_node=2" in text, text

@@ -183,3 +183,20 @@ def test_a_plan_is_checked_against_its_own_steps_identically_on_every_rank(selec
         assert r["scaled_alpha"] == pytest.approx(r["plain_alpha"] * r["factor"], rel=1e-9)
         assert r["plain_scale"] == {"sparse": None, "dense": None}
         assert "comm_times" in r["state_dict_keys"]
+
+
+def test_the_dense_correction_reaches_a_measured_inter_node_all_reduce():
+    from omgs_hook.hook import _two_level_corrected
+    from omgs_hook.plan_selection import Correction
+
+    intra, inter, inter_dense = LinearCost(1e-5, 1e-10), LinearCost(1e-3, 1e-8), LinearCost(1e-3, 2e-8)
+    correction = Correction(dense_s_per_element=4e-9)
+    per_node, _, _, corrected = _two_level_corrected((4, intra, inter, inter_dense), correction)
+    # a D-element dense group all-reduces D/4 shard elements of 4 bytes: +4e-9 s per
+    # group element is +4e-9 * 4 / 4 s per shard byte
+    assert per_node == 4 and corrected.alpha_s == 1e-3
+    assert corrected.beta_s_per_byte == pytest.approx(2e-8 + 4e-9)
+    # derived inter_dense (None) and no dense term: unchanged
+    assert _two_level_corrected((4, intra, inter, None), correction)[3] is None
+    same = (4, intra, inter, inter_dense)
+    assert _two_level_corrected(same, Correction(sparse_group_s=1e-3)) == same

@@ -194,6 +194,20 @@ def _corrected(base, correction):
                     dense=dense, tail_s=max(0.0, base.tail_s + correction.constant_s))
 
 
+def _two_level_corrected(two_level, correction):
+    """``(ranks_per_node, intra, inter, inter_dense)`` with the correction's per-element
+    dense term on the measured ``inter_dense`` too: a dense group of D elements all-reduces
+    a D / L shard between the nodes, so each shard element carries L times the term.
+    (Without a measured ``inter_dense`` the derived one comes from the corrected flat
+    dense cost already.)"""
+    per_node, intra, inter, inter_dense = two_level
+    if correction is None or inter_dense is None or not correction.dense_s_per_element:
+        return two_level
+    beta = inter_dense.beta_s_per_byte + correction.dense_s_per_element * per_node / 4
+    return per_node, intra, inter, LinearCost(alpha_s=inter_dense.alpha_s,
+                                              beta_s_per_byte=max(0.0, beta))
+
+
 def _compute_plan(job, strategy, select):
     """The planning of one re-plan, on the background planner's thread (pure: no torch,
     no collective). ``job``: what :meth:`OMGSState._replan` gathered. Returns
@@ -572,6 +586,10 @@ class OMGSState:
         if topo.hierarchical and self.track_staleness:
             raise ValueError("track_staleness is not available with the two-level exchange "
                              "(topology resolved to 'hierarchical'); pass topology='flat'")
+        if not topo.hierarchical and self.world_size > 1:
+            # the same check build_subgroups makes first: a flat rank among two-level ones
+            # must fail with them rather than leave them waiting in new_group
+            topology_mod.check_agreement(topo, self.process_group)
         self._subgroups = (topology_mod.build_subgroups(topo, self.process_group)
                            if topo.hierarchical else None)
         self.topology = topo
@@ -1051,7 +1069,7 @@ class OMGSState:
             # (reduce-scatter and shard top-k, inter-node then intra-node all-gather);
             # dense groups price their inter-node all-reduce by the profile's inter_dense
             # when it has one (else derived from the flat dense cost)
-            instance = hierarchical_instance(instance, *two_level)
+            instance = hierarchical_instance(instance, *_two_level_corrected(two_level, correction))
         inputs = {"forward_s": forward_s, "tail_s": instance.tail_s, "group_overhead_s": per_group,
                   "group_overhead_s_per_element": per_element,
                   "overhead_measured": overhead_known,
@@ -1232,7 +1250,9 @@ class OMGSState:
             return None
         self._correction = fit
         instance = _corrected(base, fit)
-        return instance if two_level is None else hierarchical_instance(instance, *two_level)
+        if two_level is None:
+            return instance
+        return hierarchical_instance(instance, *_two_level_corrected(two_level, fit))
 
     def _submit_plan_job(self, job):
         self._plan_job = job
