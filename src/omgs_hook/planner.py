@@ -505,6 +505,10 @@ _BEAM_WIDTH = 4
 # Live states the beam search keeps at most (the most promising by lower bound): a beam
 # whose live set grows with the prefixes costs more than the exact search it prepares.
 _BEAM_LIVE = 256
+# After the first round of exact turns fails: a wider beam (width, live states). The
+# exact searches' work grows steeply with the gap between the bound and the optimum
+# (a 1e-5 gap can cost 10x), so a closer bound is worth about one more beam.
+_WIDE_BEAM = (16, 1024)
 # Up to this many units the layerwise plan is one of the upper-bound candidates.
 _LAYERWISE_BOUND_UNITS = 4096
 
@@ -567,7 +571,12 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     if found is not None:
         return found
     # a beam search tightens the bound; the backward search needs a tight one
-    beam = _FrontierSearch(inst, upper_bound=best_value, beam=_BEAM_WIDTH).solve()
+    # (with a dense cost the beam's plan is often the answer - the valve stops the exact
+    # searches - so there its live states are not thinned)
+    beam = _FrontierSearch(
+        inst, upper_bound=best_value, beam=_BEAM_WIDTH,
+        beam_live=_BEAM_LIVE if inst.dense is None else 1 << 62,
+    ).solve()
     if beam is not None:
         value, _ = _comm_end(inst, prefix_sums, beam[0], beam[1])
         if value < best_value:
@@ -577,6 +586,8 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     )
     least_compute = prefix_sums[1] + least_topk if inst.dense is None else prefix_sums[1]
     network_floor = _prefix_network_floor(inst, prefix_sums[0], prefix_sums[1], least_compute)
+    # (with a dense cost the valve stops the searches anyway, and a wide beam costs more)
+    wide_beam = _WIDE_BEAM if inst.dense is None else None
     while not valve_closed():
         budget *= _RACE_GROWTH
         # the backward search costs about three times as much per candidate (and with
@@ -599,6 +610,16 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
         found = _FrontierSearch(inst, upper_bound=best_value, budget=grant(budget)).solve()
         if found is not None:
             return found
+        if wide_beam:
+            width, live = wide_beam
+            wide_beam = None
+            beam = _FrontierSearch(
+                inst, upper_bound=best_value, beam=width, beam_live=live
+            ).solve()
+            if beam is not None:
+                value, _ = _comm_end(inst, prefix_sums, beam[0], beam[1])
+                if value < best_value:
+                    best_value, best_plan = value, beam
     return _budget_exceeded(inst, best_plan)
 
 
@@ -781,9 +802,11 @@ class _FrontierSearch:
         boundaries=None,
         beam: Optional[int] = None,
         budget: Optional[int] = None,
+        beam_live: int = 0,
     ):
         self.inst = inst
         self.beam = beam
+        self.beam_live = beam_live or _BEAM_LIVE
         self.budget = budget
         L = inst.num_units
         numel, backward, self.numel_prefix, self.backward_prefix = _unit_arrays(inst)
@@ -995,7 +1018,7 @@ class _FrontierSearch:
                 if since_prune == self._PRUNE_EVERY:
                     since_prune = 0
                     live = self._prune(states, ids, live, cs, cd)
-                    if beam is not None and live > _BEAM_LIVE:
+                    if beam is not None and live > self.beam_live:
                         live = self._thin_beam(states, ids, live, t)
             if count == 0:  # every state of this prefix is beyond the bound
                 continue
@@ -1044,7 +1067,7 @@ class _FrontierSearch:
         return kept
 
     def _thin_beam(self, states, ids, live, t):
-        """Beam mode only: keep the ``_BEAM_LIVE`` live states whose images at target
+        """Beam mode only: keep the ``beam_live`` live states whose images at target
         ``t`` have the least lower bound (in prefix order); a heuristic, like the beam."""
         inst = self.inst
         c0, c1, c2 = inst.topk.c0, inst.topk.c1, inst.topk.c2
@@ -1064,7 +1087,7 @@ class _FrontierSearch:
                 inst.dense.alpha_s + inst.dense.beta_s_per_byte * inst.value_bytes * numel
             )
             np.minimum(bound, self.lower_bound(t, cd, ed), out=bound)
-        keep = np.sort(bound.argsort(kind="stable")[:_BEAM_LIVE])
+        keep = np.sort(bound.argsort(kind="stable")[:self.beam_live])
         states[:, :keep.size] = rows[:, keep]
         ids[:keep.size] = ids[:live][keep]
         return keep.size
