@@ -126,6 +126,8 @@ CANDIDATES = ("topk", "lags", "greedy", "omgs", "omgs_dense")
 PREDICTION_STRATEGIES = {"single": "topk", "layerwise": "lags", "optimal": "omgs",
                          "optimal+dense": "omgs_dense"}
 MODELS = ("resnet20", "vgg16")
+# a model the user brings (--user-model FILE:FUNCTION), benchmarked under this name
+USER_MODEL = "user"
 HOOK_LABELS = {
     "compute": "compute only (no communication)",
     "allreduce": "allreduce (DDP default)",
@@ -224,9 +226,10 @@ def _rate_override(text):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--rate {text!r}: expected MODEL:N=RATE, e.g. vgg16:4=485mbit") from None
-    if model not in MODELS:
+    if model not in MODELS + (USER_MODEL,):
         raise argparse.ArgumentTypeError(
-            f"--rate {text!r}: unknown model {model!r}; valid choices: {', '.join(MODELS)}")
+            f"--rate {text!r}: unknown model {model!r}; valid choices: "
+            f"{', '.join(MODELS + (USER_MODEL,))}")
     return (model, nodes), rate.strip()
 
 
@@ -239,7 +242,12 @@ def build_parser():
                     "an emulated slow-network cluster (see the module docstring).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
-    add("--models", type=_csv("model", MODELS), default=list(MODELS))
+    add("--models", type=_csv("model", MODELS + (USER_MODEL,)), default=list(MODELS),
+        help=f"models to benchmark; {USER_MODEL!r} is the one --user-model names")
+    add("--user-model", metavar="FILE:FUNCTION", default=None,
+        help="a model of your own: FUNCTION() in the Python file FILE returns an nn.Module "
+             "mapping a batch of 3x32x32 images to 10 logits; benchmark it with "
+             f"--models {USER_MODEL} and a --rate {USER_MODEL}:N=RATE per cluster size")
     add("--nodes", type=_node_counts, default=[2, 4], help="cluster sizes N, comma separated")
     add("--densities", type=_densities, default=[0.001],
         help="sparse densities, comma separated (each is one launch per cluster)")
@@ -300,6 +308,13 @@ def parse_args(argv=None):
     if args.warmup_steps < 2:
         parser.error("--warmup-steps: must be at least 2 (DDP rebuilds its buckets after the "
                      "first iteration; PowerSGD requires it)")
+    if (USER_MODEL in args.models) != (args.user_model is not None):
+        parser.error(f"--user-model FILE:FUNCTION and --models {USER_MODEL} go together")
+    if args.user_model is not None:
+        try:
+            load_user_model(args.user_model)
+        except (OSError, ValueError, AttributeError, ImportError, SyntaxError) as exc:
+            parser.error(f"--user-model {args.user_model!r}: {exc}")
     args.rate = dict(args.rate)
     for (model, nodes) in args.rate:
         if model not in args.models or nodes not in args.nodes:
@@ -383,9 +398,34 @@ def _ddp_options(torch_ddp):
     return options
 
 
+def load_user_model(spec):
+    """The model builder ``FILE:FUNCTION`` names (``--user-model``): FUNCTION from FILE."""
+    import importlib.util
+
+    path, sep, function = spec.rpartition(":")
+    if not sep or not path or not function:
+        raise ValueError("expected FILE:FUNCTION, e.g. my_model.py:build")
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file {path!r}")
+    module_spec = importlib.util.spec_from_file_location("omgs_bench_user_model",
+                                                         os.path.abspath(path))
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    builder = getattr(module, function, None)
+    if not callable(builder):
+        raise ValueError(f"{path} has no function {function!r}")
+    return builder
+
+
 def build_model(config):
     from omgs_hook.examples.models import build_model as build
 
+    if config["model"] == USER_MODEL:
+        module = load_user_model(config["user_model"])()
+        if not hasattr(module, "parameters"):
+            raise TypeError(f"--user-model {config['user_model']}: returned "
+                            f"{type(module).__name__}, not an nn.Module")
+        return module
     options = {"in_channels": 3, "num_classes": 10}
     if config["model"] == "vgg16":
         options["fc_width"] = config["vgg_fc_width"]
@@ -945,7 +985,7 @@ def profile_sweep(numel, density, quick):
 def run_configuration(cluster, model, density, args, workdir):
     """Profile the cluster, launch the workers, return the merged result dict."""
     nodes = cluster.nodes
-    common = {"vgg_fc_width": args.vgg_fc_width}
+    common = {"vgg_fc_width": args.vgg_fc_width, "user_model": args.user_model}
     numel = model_facts(model, common)
     tag = config_tag(model, nodes, density, args.allow_dense)
     profile_path = os.path.join(workdir, f"profile_{tag}.json")
@@ -1000,7 +1040,7 @@ def run_configuration(cluster, model, density, args, workdir):
         "settings": {k: worker_config[k] for k in (
             "steps", "rounds", "warmup_steps", "replan_every", "batch_size", "lr",
             "sparse_bucket_cap_mb", "powersgd_rank", "topk_backend", "seed", "vgg_fc_width",
-            "allow_dense", "default_max_settle_steps")},
+            "allow_dense", "default_max_settle_steps", "user_model")},
         "library": library_info(),
         "load_before": load_before, "load_after": load_average(),
         "profile": {key: profile.get(key) for key in

@@ -216,6 +216,28 @@ def test_bad_arguments_are_rejected_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_user_model_must_name_an_existing_builder(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models", "user"])  # no --user-model
+    assert "go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--user-model", str(tmp_path / "none.py") + ":build", "--models", "user"])
+    assert "no such file" in capsys.readouterr().err
+    path = tmp_path / "heldout.py"
+    path.write_text("import torch.nn as nn\n"
+                    "def build():\n"
+                    "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))\n")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--user-model", f"{path}:missing", "--models", "user"])
+    assert "no function 'missing'" in capsys.readouterr().err
+    args = bench.parse_args(["--user-model", f"{path}:build", "--models", "user",
+                             "--nodes", "4", "--rate", "user:4=50mbit"])
+    assert args.models == ["user"] and args.rate == {("user", 4): "50mbit"}
+    # the workers build it from the config, like the shipped models
+    model = bench.build_model({"model": "user", "user_model": f"{path}:build"})
+    assert sum(p.numel() for p in model.parameters()) == 3 * 32 * 32 * 10 + 10
+
+
 def test_profile_sweep_spans_the_largest_sparse_message():
     sizes, topk_sizes = bench.profile_sweep(20_000_000, 0.001, quick=False)
     largest_message = 4 * (2 * 20_000 + 1)
