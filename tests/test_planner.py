@@ -345,6 +345,81 @@ def test_prefix_network_floor_is_a_lower_bound_and_often_tight(dense, c2):
     assert tight >= total // 4
 
 
+def _prefix_states_of_random_plans(inst, rng, count):
+    """Per prefix s: (c, e) arrays of `count` random groupings (and modes) of units
+    0..s-1, by the independent recurrence."""
+    numel, backward = _arrays(inst)
+    L = inst.num_units
+    t = inst.topk
+    entry_bytes = inst.value_bytes + inst.index_bytes
+    states = [None] * (L + 1)
+    for _ in range(count):
+        c = e = 0.0
+        d = b = 0.0
+        for u in range(L):
+            d += numel[u]
+            b += backward[u]
+            if u == L - 1 or rng.random() < 0.4:  # close a group after unit u
+                dense = inst.dense is not None and rng.random() < 0.5
+                if dense:
+                    c += b
+                    y = inst.dense.alpha_s + inst.dense.beta_s_per_byte * inst.value_bytes * d
+                else:
+                    c += b + t.c0 + t.c1 * d + t.c2 * d * math.log2(d)
+                    k = max(1, math.ceil(inst.density * d))
+                    y = inst.comm.alpha_s + inst.comm.beta_s_per_byte * entry_bytes * k
+                e = max(e, c) + y
+                d = b = 0.0
+                old = states[u + 1]
+                new = (np.array([c]), np.array([e]))
+                states[u + 1] = new if old is None else (
+                    np.concatenate((old[0], new[0])), np.concatenate((old[1], new[1])))
+    return states
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("c2", ["zero", "positive"])
+def test_backward_search_joined_to_known_prefixes_stays_exact(dense, c2):
+    """_SuffixSearch with prefix states of actual groupings (as the beam supplies) and a
+    loose bound: it still finds the brute-force optimum, and every plan time it saw on
+    the way (best_found) is that of an actual plan, so never below the optimum."""
+    rng = np.random.default_rng(51 + 2 * dense + (c2 == "positive"))
+    tightened = 0
+    for _ in range(50):
+        inst = random_instance(rng, int(rng.integers(2, 10)), dense=dense)
+        c2_value = 0.0 if c2 == "zero" else _log_uniform(rng, 1e-14, 1e-10)
+        inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=c2_value))
+        truth = brute_force(inst) - inst.forward_s
+        known = _prefix_states_of_random_plans(inst, rng, 6)
+        search = planner._SuffixSearch(inst, math.inf, prefix_states=known)
+        found = search.solve()
+        assert found is not None
+        bounds, modes = found
+        value = resimulate(inst, planner._groups_from_bounds(bounds), modes) - inst.forward_s
+        assert value == pytest.approx(truth, rel=REL)
+        assert search.best_found >= truth * (1 - 1e-12)
+        tightened += search.best_found < math.inf
+    assert tightened >= 25  # the join did happen
+
+
+@pytest.mark.parametrize("start_budget", [4, 60])
+def test_the_first_turn_turning_into_a_beam_keeps_optimal_exact(monkeypatch, start_budget):
+    """A first forward turn that runs out of budget goes on as a beam search, whose plan
+    and states then seed the other turns: on random small instances (sparse and dense,
+    c2 = 0 and c2 > 0) `optimal` is still the brute-force optimum."""
+    monkeypatch.setattr(planner, "_RACE_START_BUDGET", start_budget)
+    rng = np.random.default_rng(61 + start_budget)
+    for i in range(80):
+        dense = bool(i % 2)
+        inst = random_instance(rng, int(rng.integers(2, 9 if dense else 12)), dense=dense)
+        if i % 4 < 2:
+            inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=0.0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SearchBudgetWarning)
+            plan = make_plan(inst)
+        assert plan.predicted_iteration_s == pytest.approx(brute_force(inst), rel=REL)
+
+
 def _front_with_and_without_prefilter(first, second, tie):
     order = first.argsort(kind="stable")
     plain = planner._pareto_front(first, second, order, tie)

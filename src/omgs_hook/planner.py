@@ -567,20 +567,27 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
 
     # first turn: the forward search, which tolerates a loose bound best
     budget = _RACE_START_BUDGET
-    found = _FrontierSearch(inst, upper_bound=best_value, budget=grant(budget)).solve()
-    if found is not None:
-        return found
-    # a beam search tightens the bound; the backward search needs a tight one
-    # (with a dense cost the beam's plan is often the answer - the valve stops the exact
-    # searches - so there its live states are not thinned)
-    beam = _FrontierSearch(
-        inst, upper_bound=best_value, beam=_BEAM_WIDTH,
-        beam_live=_BEAM_LIVE if inst.dense is None else 1 << 62,
-    ).solve()
+    # once out of budget it goes on as a beam search, which tightens the bound (the
+    # backward search needs a tight one). With a dense cost the beam's plan is often the
+    # answer - the valve stops the exact searches - so there its live states are not
+    # thinned.
+    beam_search = _FrontierSearch(
+        inst, upper_bound=best_value, budget=grant(budget),
+        then_beam=(_BEAM_WIDTH, _BEAM_LIVE if inst.dense is None else 1 << 62),
+    )
+    beam = beam_search.solve()
+    if beam is not None and beam_search.exact:
+        return beam
     if beam is not None:
         value, _ = _comm_end(inst, prefix_sums, beam[0], beam[1])
         if value < best_value:
             best_value, best_plan = value, beam
+    # the beam's states at every prefix are actual groupings: the backward search joins
+    # its suffix states to them, and so finds plans (and bounds) long before it ends
+    prefix_states = beam_search.beam_states
+    # the bound of the exact searches: the best plan's time, or less once a backward
+    # turn has seen a better plan (which it does not reconstruct)
+    bound = best_value
     least_topk = (
         _least_topk_time(inst, prefix_sums[0]) if inst.dense is None else None
     )
@@ -594,10 +601,11 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
         # a dense cost it is rarely the faster one): equal turns in time, not in count
         backward = _SuffixSearch(
             inst,
-            best_value,
+            bound,
             budget=grant(max(1, budget // (3 if inst.dense is None else 4))),
             least_topk=least_topk,
             network_floor=network_floor,
+            prefix_states=prefix_states,
         )
         found = backward.solve()
         if found is not None:
@@ -605,22 +613,35 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
         if backward.outcome == "none":
             # nothing better than the known plan exists (up to rounding)
             return best_plan
+        bound = min(bound, backward.best_found)
         if valve_closed():
             break
-        found = _FrontierSearch(inst, upper_bound=best_value, budget=grant(budget)).solve()
+        found = _FrontierSearch(inst, upper_bound=bound, budget=grant(budget)).solve()
         if found is not None:
             return found
         if wide_beam:
             width, live = wide_beam
             wide_beam = None
-            beam = _FrontierSearch(
-                inst, upper_bound=best_value, beam=width, beam_live=live
-            ).solve()
+            beam_search = _FrontierSearch(inst, upper_bound=bound, beam=width, beam_live=live)
+            beam = beam_search.solve()
             if beam is not None:
                 value, _ = _comm_end(inst, prefix_sums, beam[0], beam[1])
                 if value < best_value:
                     best_value, best_plan = value, beam
+                    bound = min(bound, value)
+            prefix_states = _joined_states(prefix_states, beam_search.beam_states)
     return _budget_exceeded(inst, best_plan)
+
+
+def _joined_states(first, second):
+    """Per prefix, the (c, e) states of both lists (either entry may be None)."""
+    joined = []
+    for a, b in zip(first, second):
+        if a is None or b is None:
+            joined.append(b if a is None else a)
+        else:
+            joined.append((np.concatenate((a[0], b[0])), np.concatenate((a[1], b[1]))))
+    return joined
 
 
 def _valve(inst: Instance) -> Optional[int]:
@@ -803,10 +824,20 @@ class _FrontierSearch:
         beam: Optional[int] = None,
         budget: Optional[int] = None,
         beam_live: int = 0,
+        then_beam: Optional[Tuple[int, int]] = None,
     ):
+        """``then_beam``: ``(width, live states)`` of a beam search that takes over
+        when the budget runs out (instead of returning None); :attr:`exact` then turns
+        False."""
         self.inst = inst
         self.beam = beam
         self.beam_live = beam_live or _BEAM_LIVE
+        self.then_beam = then_beam
+        self.exact = beam is None
+        # beam mode: per prefix, (c, e) of the states kept there (actual groupings)
+        self.beam_states = (
+            [None] * (inst.num_units + 1) if beam is not None or then_beam else None
+        )
         self.budget = budget
         L = inst.num_units
         numel, backward, self.numel_prefix, self.backward_prefix = _unit_arrays(inst)
@@ -956,7 +987,13 @@ class _FrontierSearch:
                 raise RuntimeError("omgs_hook planner: no plan reaches the upper bound")
             examined += size
             if examined > budget:
-                return None
+                if self.then_beam is None:
+                    return None
+                # out of budget: finish as a beam search (one pass instead of two)
+                beam, self.beam_live = self.then_beam
+                self.then_beam = None
+                self.exact = False
+                budget = math.inf
 
             # rule 1 first: candidates that cannot beat the known plan (their images
             # cannot either, the bound only grows along a plan) are not even sorted
@@ -994,6 +1031,8 @@ class _FrontierSearch:
                 best = np.sort(bound.argsort(kind="stable")[:beam])
                 chosen, new_c, new_e = chosen[best], new_c[best], new_e[best]
             count = chosen.size
+            if beam is not None:
+                self.beam_states[t] = (new_c, new_e)
             first_ids.append(next_id)
             if has_dense:
                 is_dense = chosen >= live
@@ -1020,6 +1059,9 @@ class _FrontierSearch:
                     live = self._prune(states, ids, live, cs, cd)
                     if beam is not None and live > self.beam_live:
                         live = self._thin_beam(states, ids, live, t)
+                elif beam is not None and live > 4 * self.beam_live:
+                    # (just after an exact search turned into a beam)
+                    live = self._thin_beam(states, ids, live, t)
             if count == 0:  # every state of this prefix is beyond the bound
                 continue
             end = live + count
@@ -1255,12 +1297,19 @@ class _SuffixSearch:
         budget: Optional[int] = None,
         least_topk: Optional[np.ndarray] = None,
         network_floor: Optional[np.ndarray] = None,
+        prefix_states=None,
     ):
         """``least_topk``: :func:`_least_topk_time` of the instance, and
         ``network_floor``: :func:`_prefix_network_floor`, when the caller has them
-        already (they are the same for every search of one instance)."""
+        already (they are the same for every search of one instance).
+        ``prefix_states``: per prefix ``s``, ``None`` or arrays ``(c, e)`` of states of
+        actual groupings of ``0..s-1`` (the beam's), which tighten the bound on the way
+        (:attr:`best_found`)."""
         self.inst = inst
         self.upper_bound = float(upper_bound)
+        self.prefix_states = prefix_states
+        # the least time of a plan seen so far (a known prefix + a suffix state), plus a tie
+        self.best_found = math.inf
         self.budget = budget
         L = inst.num_units
         numel, backward, self.numel_prefix, self.backward_prefix = _unit_arrays(inst)
@@ -1399,6 +1448,17 @@ class _SuffixSearch:
                 chosen = pool
                 new_y, new_g = cand_y[pool], cand_g[pool]
             count = chosen.size
+            if count and s > 0 and self.prefix_states is not None:
+                known = self.prefix_states[s]
+                if known is not None and known[0].size:
+                    # a known prefix ending at s + a suffix state: an actual plan's time,
+                    # so a bound as valid as the first (one tie against rounding)
+                    pc, pe = known
+                    found = float(np.min(np.maximum(
+                        pe[:, None] + new_y[None, :], pc[:, None] + new_g[None, :]))) + tie
+                    if found < self.best_found:
+                        self.best_found = found
+                        limit = min(limit, found + tie * (L + 2))
             if count:
                 is_dense = chosen >= live
                 source = chosen - live * is_dense
