@@ -62,22 +62,31 @@ def test_comm_time_meter_keeps_the_last_steps_and_round_trips():
         CommTimeMeter(window=0)
 
 
-def test_scaling_takes_the_least_factor_over_ranks_per_kind():
+def test_scaling_takes_the_median_step_and_the_least_rank_per_kind():
     comm, dense = LinearCost(1e-3, 1e-6), LinearCost(2e-3, 1e-9)
-    rows = torch.tensor([
-        # sparse_s, count, bytes, dense_s, count, elements, known
-        [8e-3, 3, 1000, 0.0, 0, 0, 1.0],        # sparse x2, no dense collective
-        [12e-3, 3, 1000, 6e-3, 1, 1000, 1.0],   # sparse x3 (it waited), dense: 6e-3/2.004e-3
-        [99.0, 3, 1000, 99.0, 1, 1000, 0.0],    # a rank without samples is left out
+    # per rank, three steps of (sparse_s, count, bytes, dense_s, count, elements); the
+    # modelled sparse time of 3 collectives of 1000 bytes in all is 4e-3 s
+    table = torch.tensor([
+        [[8e-3, 3, 1000, 0, 0, 0], [8e-3, 3, 1000, 0, 0, 0], [80e-3, 3, 1000, 0, 0, 0]],
+        # x3 (it waited for rank 0); one dense all-reduce of 1000 elements, twice
+        [[12e-3, 3, 1000, 6e-3, 1, 1000], [12e-3, 3, 1000, 6e-3, 1, 1000], [0] * 6],
+        [[0] * 6] * 3,  # a rank without samples is left out
     ], dtype=torch.float64)
-    new_comm, new_dense, factors = OMGSState._scaled_by_measurement(rows, comm, dense)
-    assert factors["sparse"] == pytest.approx(2.0)
+    new_comm, new_dense, factors = OMGSState._scaled_by_measurement(table, comm, dense)
+    assert factors["sparse"] == pytest.approx(2.0)  # rank 0's median step, not its sum (x8)
     assert factors["dense"] == pytest.approx(6e-3 / (2e-3 + 4e-6))
     assert new_comm.alpha_s == pytest.approx(2e-3) and new_comm.beta_s_per_byte == pytest.approx(2e-6)
     assert new_dense.alpha_s == pytest.approx(2e-3 * factors["dense"])
     # no dense cost (allow_dense=False): nothing to scale there
-    _, none_dense, factors = OMGSState._scaled_by_measurement(rows, comm, None)
+    _, none_dense, factors = OMGSState._scaled_by_measurement(table, comm, None)
     assert none_dense is None and factors["dense"] is None
+
+
+def test_the_comm_time_table_has_a_fixed_width():
+    meter = CommTimeMeter(window=3)
+    assert meter.table() == [0.0] * 18 == meter.empty_table()
+    meter.add((1.0, 1, 8, 0.0, 0, 0))
+    assert meter.table()[:6] == [1.0, 1.0, 8.0, 0.0, 0.0, 0.0] and len(meter.table()) == 18
 
 
 def _step(meter, step, backward, layout=(("a",), ("b",))):

@@ -1000,11 +1000,11 @@ class OMGSState:
         ]
         for pair in optional:  # each as a, b, known
             local += [pair[0], pair[1], 1.0] if pair is not None else [0.0, 0.0, 0.0]
-        measured_at = len(local)  # the collectives' measured times and the step time
-        sums = self._comm_times.totals() if self.measured_comm and len(self._comm_times) else None
-        local += list(sums) + [1.0] if sums is not None else [0.0] * 7
+        step_at = len(local)  # the step time, then the collectives' measured times
         step_s = self._fresh_step_s()
         local += [step_s, 1.0] if step_s is not None else [0.0, 0.0]
+        comm_at = len(local)
+        local += self._comm_times.table() if self.measured_comm else self._comm_times.empty_table()
         # one all-gather for the planning row and the per-step timelines (every gather on
         # the autograd thread waits for the slowest rank: fewer is a shorter stall)
         gathered = self._gather_rows(local + self._timeline_table(layout))
@@ -1043,10 +1043,12 @@ class OMGSState:
         dense = self.profile.dense if self.allow_dense else None
         two_level = self._two_level_costs()
         scales = {"sparse": None, "dense": None}
-        if float(rows[:, measured_at + 6].max()) > 0:  # gathered: the same on every rank
-            comm, dense, scales = self._scaled_by_measurement(rows[:, measured_at:], comm, dense)
-        measured_step_s = (float(rows[:, measured_at + 7].max())
-                           if float(rows[:, measured_at + 8].min()) > 0 else None)
+        comm_rows = rows[:, comm_at:comm_at + self._comm_times.table_width]
+        if float(comm_rows.abs().max()) > 0:  # gathered: the same decision on every rank
+            comm, dense, scales = self._scaled_by_measurement(
+                comm_rows.reshape(self.world_size, self._comm_times.window, -1), comm, dense)
+        measured_step_s = (float(rows[:, step_at].max())
+                           if float(rows[:, step_at + 1].min()) > 0 else None)
         topk_c0 = topk.c0 + per_group
         correction = self._correction if self.select == "measured" else None
         base = Instance(
@@ -1081,23 +1083,26 @@ class OMGSState:
         return instance, inputs
 
     @staticmethod
-    def _scaled_by_measurement(rows, comm, dense):
+    def _scaled_by_measurement(table, comm, dense):
         """``comm`` and ``dense`` scaled by the measured collectives (``measured_comm``):
-        ``rows`` holds every rank's summed ``(sparse_s, sparse_count, sparse_bytes,
-        dense_s, dense_count, dense_elements, known)``. Per kind, each rank's measured over
-        modelled time, the least over the ranks that have samples of that kind (the others'
-        times include waiting for the last rank to issue). Gathered numbers: identical on
-        every rank."""
+        ``table[rank][step]`` holds every rank's :func:`~omgs_hook.measurements.comm_sums`
+        of its recent steps, ``(sparse_s, sparse_count, sparse_bytes, dense_s,
+        dense_count, dense_elements)`` (all zero where a rank has fewer steps). Per kind:
+        per step the measured over the modelled time of its collectives, per rank the
+        median over its steps (one odd step - a GC pause, the first step after a pause -
+        does not move it), then the least over the ranks that have samples of that kind
+        (the others' times include waiting for the last rank to issue). Gathered numbers:
+        identical on every rank."""
         factors = {}
         for kind, at, line, bytes_per in (("sparse", 0, comm, 1), ("dense", 3, dense, 4)):
             found = []
             if line is not None:
-                for r in rows.tolist():
-                    if r[6] > 0:
-                        f = comm_scale(r[at], int(r[at + 1]), r[at + 2] * bytes_per,
-                                       line.alpha_s, line.beta_s_per_byte)
-                        if f is not None:
-                            found.append(f)
+                for steps in table.tolist():
+                    ratios = [comm_scale(r[at], int(r[at + 1]), r[at + 2] * bytes_per,
+                                         line.alpha_s, line.beta_s_per_byte) for r in steps]
+                    ratios = [f for f in ratios if f is not None]
+                    if ratios:
+                        found.append(statistics.median(ratios))
             factors[kind] = min(found) if found else None
         if factors["sparse"] is not None:
             comm = LinearCost(alpha_s=comm.alpha_s * factors["sparse"],

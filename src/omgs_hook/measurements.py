@@ -436,6 +436,25 @@ class CommTimeMeter:
     def __len__(self):
         return len(self._steps)
 
+    table_width_per_step = 6
+
+    @property
+    def window(self):
+        return self._steps.maxlen
+
+    @property
+    def table_width(self):
+        return self.window * self.table_width_per_step
+
+    def table(self):
+        """The window's steps, oldest first, flattened, zero-padded to ``table_width``
+        (a fixed width, so that every rank's row can be gathered)."""
+        out = [float(x) for row in self._steps for x in row]
+        return out + [0.0] * (self.table_width - len(out))
+
+    def empty_table(self):
+        return [0.0] * self.table_width
+
     def totals(self):
         """``(sparse_s, sparse_count, sparse_bytes, dense_s, dense_count, dense_elements)``
         summed over the window (zeros when empty)."""
