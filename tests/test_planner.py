@@ -402,6 +402,40 @@ def test_backward_search_joined_to_known_prefixes_stays_exact(dense, c2):
     assert tightened >= 25  # the join did happen
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("c2", ["zero", "positive"])
+def test_forward_search_joined_to_a_stopped_backward_search_is_exact(dense, c2):
+    """A backward search stopped by its budget part way, then the forward search joined
+    to the fronts it finished (at every point where it can stop): the brute-force
+    optimum, with and without a bound."""
+    rng = np.random.default_rng(71 + 2 * dense + (c2 == "positive"))
+    joins = used = 0
+    for _ in range(30):
+        inst = random_instance(rng, int(rng.integers(2, 9 if dense else 11)), dense=dense)
+        c2_value = 0.0 if c2 == "zero" else _log_uniform(rng, 1e-14, 1e-10)
+        inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=c2_value))
+        truth = brute_force(inst) - inst.forward_s
+        full = planner._SuffixSearch(inst, math.inf)
+        full.solve()
+        for budget in sorted({1, 2, 3, 5, 8, full.examined // 2, full.examined - 1}):
+            for bound in (math.inf, truth * (1 + 1e-9)):
+                backward = planner._SuffixSearch(inst, bound, budget=max(1, budget))
+                if backward.solve() is not None:
+                    continue
+                assert backward.stopped_at is not None
+                forward = planner._FrontierSearch(inst, upper_bound=bound, suffix=backward)
+                found = forward.solve()
+                assert found is not None
+                used += forward.used_join
+                bounds, modes = found
+                assert bounds[-1] == inst.num_units and len(modes) == len(bounds)
+                value = resimulate(inst, planner._groups_from_bounds(bounds), modes)
+                assert value - inst.forward_s == pytest.approx(truth, rel=REL), (budget, bound)
+                joins += 1
+    assert joins >= 100
+    assert used >= joins // 6  # the joined plans often win (the others end at the last unit)
+
+
 @pytest.mark.parametrize("start_budget", [4, 60])
 def test_the_first_turn_turning_into_a_beam_keeps_optimal_exact(monkeypatch, start_budget):
     """A first forward turn that runs out of budget goes on as a beam search, whose plan

@@ -505,6 +505,8 @@ _BEAM_WIDTH = 4
 # Live states the beam search keeps at most (the most promising by lower bound): a beam
 # whose live set grows with the prefixes costs more than the exact search it prepares.
 _BEAM_LIVE = 256
+# With a dense cost the beam is not thinned (its plan is often the answer there).
+_DENSE_BEAM_LIVE = 1 << 62
 # After the first round of exact turns fails: a wider beam (width, live states). The
 # exact searches' work grows steeply with the gap between the bound and the optimum
 # (a 1e-5 gap can cost 10x), so a closer bound is worth about one more beam.
@@ -569,15 +571,25 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     budget = _RACE_START_BUDGET
     # once out of budget it goes on as a beam search, which tightens the bound (the
     # backward search needs a tight one). With a dense cost the beam's plan is often the
-    # answer - the valve stops the exact searches - so there its live states are not
-    # thinned.
-    beam_search = _FrontierSearch(
-        inst, upper_bound=best_value, budget=grant(budget),
-        then_beam=(_BEAM_WIDTH, _BEAM_LIVE if inst.dense is None else 1 << 62),
-    )
-    beam = beam_search.solve()
-    if beam is not None and beam_search.exact:
-        return beam
+    # answer - the valve stops the exact searches - so there the beam is a pass of its
+    # own that keeps more live states.
+    if inst.dense is None:
+        beam_search = _FrontierSearch(
+            inst, upper_bound=best_value, budget=grant(budget),
+            then_beam=(_BEAM_WIDTH, _BEAM_LIVE),
+        )
+        beam = beam_search.solve()
+        if beam is not None and beam_search.exact:
+            return beam
+    else:
+        found = _FrontierSearch(inst, upper_bound=best_value, budget=grant(budget)).solve()
+        if found is not None:
+            return found
+        # a beam of its own: its exact predecessor's fronts are too wide to thin well
+        beam_search = _FrontierSearch(
+            inst, upper_bound=best_value, beam=_BEAM_WIDTH, beam_live=_DENSE_BEAM_LIVE
+        )
+        beam = beam_search.solve()
     if beam is not None:
         value, _ = _comm_end(inst, prefix_sums, beam[0], beam[1])
         if value < best_value:
@@ -616,7 +628,10 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
         bound = min(bound, backward.best_found)
         if valve_closed():
             break
-        found = _FrontierSearch(inst, upper_bound=bound, budget=grant(budget)).solve()
+        # the forward turn joins the fronts the backward turn finished
+        found = _FrontierSearch(
+            inst, upper_bound=bound, budget=grant(budget), suffix=backward
+        ).solve()
         if found is not None:
             return found
         if wide_beam:
@@ -825,11 +840,15 @@ class _FrontierSearch:
         budget: Optional[int] = None,
         beam_live: int = 0,
         then_beam: Optional[Tuple[int, int]] = None,
+        suffix: Optional["_SuffixSearch"] = None,
     ):
         """``then_beam``: ``(width, live states)`` of a beam search that takes over
         when the budget runs out (instead of returning None); :attr:`exact` then turns
-        False."""
+        False. ``suffix``: a backward search that ran out of budget; its fronts are
+        joined (see *Join* in the class docstring)."""
         self.inst = inst
+        self.suffix = suffix
+        self.used_join = False  # whether the plan found is a joined one
         self.beam = beam
         self.beam_live = beam_live or _BEAM_LIVE
         self.then_beam = then_beam
@@ -938,6 +957,14 @@ class _FrontierSearch:
         last_target = self.targets[-1]
         beam = self.beam
         budget = self.budget if self.budget is not None else math.inf
+        # targets after join_from are joined to the backward search's fronts, not stored
+        join_from = math.inf
+        if self.suffix is not None and self.suffix.stopped_at is not None and not self.fixed:
+            join_from = self.suffix.stopped_at
+            fronts = self.suffix.fronts
+        best_join = math.inf
+        joined = None  # (target, parent id, dense flag, backward state id) of best_join
+        switched = False
 
         # Live states are the columns of `states`, kept in order of their prefix s:
         #   GS = c - B(0..s) - c1 * D(0..s)   (so the sparse image is c' = GS + a(t))
@@ -993,11 +1020,34 @@ class _FrontierSearch:
                 beam, self.beam_live = self.then_beam
                 self.then_beam = None
                 self.exact = False
+                switched = True
                 budget = math.inf
 
+            if join_from < t < last_target:
+                # every plan whose first boundary after join_from is t: this candidate,
+                # then a suffix state of the front at t (the least of max(e + Ys, c + G)
+                # is where Ys - G crosses c - e)
+                front = fronts.get(t)
+                if front is not None:
+                    front_y, front_g, front_ids = front
+                    cut = np.searchsorted(front_y - front_g, cand_c - cand_e)
+                    last = front_y.size - 1
+                    above = cand_e + front_y[np.minimum(cut, last)]
+                    above[cut > last] = math.inf
+                    below = cand_c + front_g[np.maximum(cut - 1, 0)]
+                    below[cut == 0] = math.inf
+                    value = np.minimum(above, below)
+                    i = int(np.argmin(value))
+                    if value[i] < best_join:  # (the first target and candidate win ties)
+                        best_join = float(value[i])
+                        j = int(cut[i]) if above[i] <= below[i] else int(cut[i]) - 1
+                        joined = (t, int(ids[i % live]), bool(has_dense and i >= live),
+                                  int(front_ids[j]))
+                        limit = min(limit, best_join + tie)
+                viable = np.zeros(size, dtype=bool)  # none is stored
             # rule 1 first: candidates that cannot beat the known plan (their images
             # cannot either, the bound only grows along a plan) are not even sorted
-            if sparse_only:
+            elif sparse_only:
                 viable = cand_e <= net_limit[t]
                 viable &= cand_c <= cpu_limit[t]
             else:
@@ -1042,6 +1092,13 @@ class _FrontierSearch:
                 parents.append(ids[chosen])
                 modes.append(None)
             if t == last_target:
+                if joined is not None and (count == 0 or best_join < float(new_e.min())):
+                    target, parent, dense_flag, state = joined
+                    self.used_join = True
+                    head = self._reconstruct(parent, first_ids, self.targets, parents, modes)
+                    tail = _SuffixSearch._reconstruct(
+                        state, *self.suffix.chains, self.inst.num_units)
+                    return (head[0] + (target,) + tail[0], head[1] + (dense_flag,) + tail[1])
                 if count == 0:
                     if beam is not None:
                         return None  # the beam dropped every state that beats the bound
@@ -1059,8 +1116,8 @@ class _FrontierSearch:
                     live = self._prune(states, ids, live, cs, cd)
                     if beam is not None and live > self.beam_live:
                         live = self._thin_beam(states, ids, live, t)
-                elif beam is not None and live > 4 * self.beam_live:
-                    # (just after an exact search turned into a beam)
+                elif switched and live > self.beam_live:
+                    switched = False  # an exact search just turned into a beam
                     live = self._thin_beam(states, ids, live, t)
             if count == 0:  # every state of this prefix is beyond the bound
                 continue
@@ -1310,6 +1367,11 @@ class _SuffixSearch:
         self.prefix_states = prefix_states
         # the least time of a plan seen so far (a known prefix + a suffix state), plus a tie
         self.best_found = math.inf
+        # per suffix start s: (Ys, G, ids) of the front created there (sorted by Ys, so
+        # Ys - G ascends); a search out of budget sets stopped_at, the s it did not finish
+        self.fronts = {}
+        self.stopped_at = None
+        self.chains = None
         self.budget = budget
         L = inst.num_units
         numel, backward, self.numel_prefix, self.backward_prefix = _unit_arrays(inst)
@@ -1391,6 +1453,8 @@ class _SuffixSearch:
         starts: List[np.ndarray] = [np.array([L], np.int64)]
         parents: List[np.ndarray] = [np.array([-1], np.int64)]
         modes: List[np.ndarray] = [np.zeros(1, bool)]
+        # for a forward search that joins these fronts (see :attr:`fronts`)
+        self.chains = (starts, parents, modes)
         next_id = 1
         examined = 0
         final_id = -1
@@ -1423,6 +1487,7 @@ class _SuffixSearch:
             self.examined = examined
             if examined > budget:
                 self.outcome = "budget"
+                self.stopped_at = s
                 return None
 
             # rule 1: only candidates that can still beat the known plan
@@ -1467,6 +1532,7 @@ class _SuffixSearch:
                 starts.append(np.full(count, s, np.int64))
                 parents.append(ID[source])
                 modes.append(is_dense)
+                self.fronts[s] = (new_y, new_g, ids)
             if s == 0:
                 if count == 0:
                     self.outcome = "none"
