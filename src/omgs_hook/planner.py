@@ -507,10 +507,6 @@ _BEAM_WIDTH = 4
 _BEAM_LIVE = 256
 # With a dense cost the beam is not thinned (its plan is often the answer there).
 _DENSE_BEAM_LIVE = 1 << 62
-# After the first round of exact turns fails: a wider beam (width, live states). The
-# exact searches' work grows steeply with the gap between the bound and the optimum
-# (a 1e-5 gap can cost 10x), so a closer bound is worth about one more beam.
-_WIDE_BEAM = (16, 1024)
 # Up to this many units the layerwise plan is one of the upper-bound candidates.
 _LAYERWISE_BOUND_UNITS = 4096
 
@@ -605,16 +601,16 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     )
     least_compute = prefix_sums[1] + least_topk if inst.dense is None else prefix_sums[1]
     network_floor = _prefix_network_floor(inst, prefix_sums[0], prefix_sums[1], least_compute)
-    # (with a dense cost the valve stops the searches anyway, and a wide beam costs more)
-    wide_beam = _WIDE_BEAM if inst.dense is None else None
     while not valve_closed():
         budget *= _RACE_GROWTH
-        # the backward search costs about three times as much per candidate (and with
-        # a dense cost it is rarely the faster one): equal turns in time, not in count
+        # the backward search costs two to three times as much per candidate (and with
+        # a dense cost it is rarely the faster one): about equal turns in time; without
+        # a dense cost, joined to the beam's prefixes, it is usually the one that ends
+        # the race, so it gets the larger share
         backward = _SuffixSearch(
             inst,
             bound,
-            budget=grant(max(1, budget // (3 if inst.dense is None else 4))),
+            budget=grant(max(1, budget // (2 if inst.dense is None else 4))),
             least_topk=least_topk,
             network_floor=network_floor,
             prefix_states=prefix_states,
@@ -634,29 +630,7 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
         ).solve()
         if found is not None:
             return found
-        if wide_beam:
-            width, live = wide_beam
-            wide_beam = None
-            beam_search = _FrontierSearch(inst, upper_bound=bound, beam=width, beam_live=live)
-            beam = beam_search.solve()
-            if beam is not None:
-                value, _ = _comm_end(inst, prefix_sums, beam[0], beam[1])
-                if value < best_value:
-                    best_value, best_plan = value, beam
-                    bound = min(bound, value)
-            prefix_states = _joined_states(prefix_states, beam_search.beam_states)
     return _budget_exceeded(inst, best_plan)
-
-
-def _joined_states(first, second):
-    """Per prefix, the (c, e) states of both lists (either entry may be None)."""
-    joined = []
-    for a, b in zip(first, second):
-        if a is None or b is None:
-            joined.append(b if a is None else a)
-        else:
-            joined.append((np.concatenate((a[0], b[0])), np.concatenate((a[1], b[1]))))
-    return joined
 
 
 def _valve(inst: Instance) -> Optional[int]:
