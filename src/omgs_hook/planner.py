@@ -1583,34 +1583,65 @@ def _prefix_network_floor(inst: Instance, numel_prefix, backward_prefix, least_c
     L = numel_prefix.size - 1
     topk = inst.topk
     c0, c1, c2 = topk.c0, topk.c1, topk.c2
-    alpha = inst.comm.alpha_s
     beta_k = inst.comm.beta_s_per_byte * (inst.value_bytes + inst.index_bytes)
     density = inst.density
     has_dense = inst.dense is not None
-    if has_dense:
-        alpha_d = inst.dense.alpha_s
-        beta_d = inst.dense.beta_s_per_byte * inst.value_bytes
     floor = np.zeros(L + 1)
     # least_compute[s] + X(s..t-1) = shifted[s] + (B(0..t) + c0 + c1 * D(0..t)) + c2 term
     shifted = least_compute - backward_prefix - c1 * numel_prefix
-    for t in range(1, L + 1):
-        D = numel_prefix[t] - numel_prefix[:t]
-        compute = shifted[:t] + (backward_prefix[t] + c0 + c1 * numel_prefix[t])
+    for rows, D in _row_blocks(numel_prefix):
+        # per block of targets, everything that does not depend on the floor at once
+        # (masked entries, s >= t, are +inf); then three operations per target and mode
+        width = D.shape[1]
+        masked = _row_mask(rows, width)
+        compute = shifted[None, :width] + (
+            backward_prefix[rows] + c0 + c1 * numel_prefix[rows])[:, None]
         if c2:
             compute += c2 * D * np.log2(D)
+        compute[masked] = math.inf
         k = np.ceil(density * D)
         np.maximum(k, 1.0, out=k)
-        e = np.maximum(floor[:t], compute)
-        e += alpha + beta_k * k
-        best = e.min()
+        extra = inst.comm.alpha_s + beta_k * k
         if has_dense:
-            compute = least_compute[:t] + (backward_prefix[t] - backward_prefix[:t])
-            e = np.maximum(floor[:t], compute)
-            e += alpha_d + beta_d * D
-            best = min(best, e.min())
-        floor[t] = best
+            dense_compute = least_compute[None, :width] + (
+                backward_prefix[rows, None] - backward_prefix[None, :width])
+            dense_compute[masked] = math.inf
+            dense_extra = inst.dense.alpha_s + inst.dense.beta_s_per_byte * (
+                inst.value_bytes * D)
+        source = floor[:width]
+        for i, t in enumerate(rows.tolist()):
+            e = np.maximum(source, compute[i])
+            e += extra[i]
+            best = e.min()
+            if has_dense:
+                e = np.maximum(source, dense_compute[i])
+                e += dense_extra[i]
+                best = min(best, e.min())
+            floor[t] = best
     floor *= 1.0 - 1e-12
     return floor
+
+
+# Targets per block of the prefix network floor's recursion (_row_blocks).
+_ROW_BLOCK = 64
+
+
+def _row_blocks(numel_prefix):
+    """Blocks of targets ``rows`` (``1..L``) with ``D[i, s] = numel_prefix[rows[i]] -
+    numel_prefix[s]`` for ``s < rows[-1]``; entries with ``s >= rows[i]`` are set to 1
+    (callers mask them with :func:`_row_mask`), so logarithms stay finite."""
+    L = numel_prefix.size - 1
+    for a in range(1, L + 1, _ROW_BLOCK):
+        rows = np.arange(a, min(a + _ROW_BLOCK, L + 1))
+        width = int(rows[-1])
+        D = numel_prefix[rows, None] - numel_prefix[None, :width]
+        D[D <= 0.0] = 1.0
+        yield rows, D
+
+
+def _row_mask(rows, width):
+    """True where a column ``s`` is not before the row's target (``s >= t``)."""
+    return np.arange(width)[None, :] >= rows[:, None]
 
 
 def _least_topk_time(inst: Instance, numel_prefix) -> np.ndarray:
