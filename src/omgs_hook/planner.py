@@ -505,8 +505,6 @@ _BEAM_WIDTH = 4
 # Live states the beam search keeps at most (the most promising by lower bound): a beam
 # whose live set grows with the prefixes costs more than the exact search it prepares.
 _BEAM_LIVE = 256
-# With a dense cost the beam is not thinned (its plan is often the answer there).
-_DENSE_BEAM_LIVE = 1 << 62
 # Up to this many units the layerwise plan is one of the upper-bound candidates.
 _LAYERWISE_BOUND_UNITS = 4096
 
@@ -566,26 +564,13 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     # first turn: the forward search, which tolerates a loose bound best
     budget = _RACE_START_BUDGET
     # once out of budget it goes on as a beam search, which tightens the bound (the
-    # backward search needs a tight one). With a dense cost the beam's plan is often the
-    # answer - the valve stops the exact searches - so there the beam is a pass of its
-    # own that keeps more live states.
-    if inst.dense is None:
-        beam_search = _FrontierSearch(
-            inst, upper_bound=best_value, budget=grant(budget),
-            then_beam=(_BEAM_WIDTH, _BEAM_LIVE),
-        )
-        beam = beam_search.solve()
-        if beam is not None and beam_search.exact:
-            return beam
-    else:
-        found = _FrontierSearch(inst, upper_bound=best_value, budget=grant(budget)).solve()
-        if found is not None:
-            return found
-        # a beam of its own: its exact predecessor's fronts are too wide to thin well
-        beam_search = _FrontierSearch(
-            inst, upper_bound=best_value, beam=_BEAM_WIDTH, beam_live=_DENSE_BEAM_LIVE
-        )
-        beam = beam_search.solve()
+    # backward search needs a tight one)
+    beam_search = _FrontierSearch(
+        inst, upper_bound=best_value, budget=grant(budget), then_beam=(_BEAM_WIDTH, _BEAM_LIVE)
+    )
+    beam = beam_search.solve()
+    if beam is not None and beam_search.exact:
+        return beam
     if beam is not None:
         value, _ = _comm_end(inst, prefix_sums, beam[0], beam[1])
         if value < best_value:
