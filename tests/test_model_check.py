@@ -209,3 +209,21 @@ def test_the_dense_correction_reaches_a_measured_inter_node_all_reduce():
     assert _two_level_corrected((4, intra, inter, None), correction)[3] is None
     same = (4, intra, inter, inter_dense)
     assert _two_level_corrected(same, Correction(sparse_group_s=1e-3)) == same
+
+
+def test_the_trial_correction_adds_its_slopes_but_not_its_level():
+    from omgs_hook.cost_model import Instance, TopkCost, Unit
+    from omgs_hook.hook import _corrected
+    from omgs_hook.plan_selection import Correction
+
+    base = Instance(layers=(Unit(numel=1000, backward_s=0.01),), world_size=2, density=0.01,
+                    forward_s=0.02, comm=LinearCost(1e-4, 1e-9), topk=TopkCost(1e-4, 1e-9, 0.0),
+                    dense=LinearCost(2e-4, 1e-9), tail_s=0.005)
+    got = _corrected(base, Correction(constant_s=0.15, dense_s_per_element=4e-9,
+                                      sparse_group_s=2e-3))
+    assert got.tail_s == base.tail_s  # the trial's level stays out
+    assert got.topk.c0 == pytest.approx(1e-4 + 2e-3)
+    assert got.dense.beta_s_per_byte == pytest.approx(1e-9 + 1e-9)
+    clamped = _corrected(base, Correction(sparse_group_s=-1.0))
+    assert clamped.topk.c0 == 0.0
+    assert _corrected(base, None) is base

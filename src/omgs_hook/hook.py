@@ -176,9 +176,12 @@ def _parse_pinned_plan(plan):
 
 def _corrected(base, correction):
     """``base`` (the flat model from the measurements) plus what the last trial measured
-    beyond it (a :class:`plan_selection.Correction`): the tail gains its constant, the
-    top-k's fixed cost its per-group term, the dense cost's beta its per-element term,
-    each clamped at zero."""
+    beyond it (a :class:`plan_selection.Correction`): the top-k's fixed cost gains its
+    per-group term, the dense cost's beta its per-element term, each clamped at zero.
+    The constant is left out: it is the trial's level, measured under the load of its
+    steps, and moves with it (a trial in a loaded spell carried +150 ms into every later
+    prediction); the tail and the rest of the step come from the fresh measurements,
+    and a constant changes no plan's rank."""
     if correction is None:
         return base
     dense = base.dense
@@ -191,7 +194,7 @@ def _corrected(base, correction):
                     topk=TopkCost(c0=max(0.0, topk.c0 + correction.sparse_group_s),
                                   c1=topk.c1, c2=topk.c2),
                     value_bytes=base.value_bytes, index_bytes=base.index_bytes,
-                    dense=dense, tail_s=max(0.0, base.tail_s + correction.constant_s))
+                    dense=dense, tail_s=base.tail_s)
 
 
 def _two_level_corrected(two_level, correction):

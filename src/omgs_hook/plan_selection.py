@@ -477,9 +477,11 @@ class Correction:
     dense term is the all-reduce's contention with backward (gloo reduces on the same
     cores), which the model counts as free overlap; the group term is what each sparse
     group costs beyond the profile's top-k and the measured overhead; the constant is
-    the tail the model misses. The hook adds these to the instance it plans with:
-    ``tail_s += constant_s``, the dense cost's ``beta += dense_s_per_element / 4`` (per
-    fp32 byte), the top-k's ``c0 += sparse_group_s`` (each clamped at zero).
+    the level the model misses. The hook adds two of them to the instance it plans
+    with: the dense cost's ``beta += dense_s_per_element / 4`` (per fp32 byte) and the
+    top-k's ``c0 += sparse_group_s`` (each clamped at zero). The constant is reported,
+    not added: the tail and the rest of the step are measured afresh, and the trial's
+    level moves with the load of its steps.
     """
 
     constant_s: float = 0.0
