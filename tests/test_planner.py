@@ -436,6 +436,33 @@ def test_forward_search_joined_to_a_stopped_backward_search_is_exact(dense, c2):
     assert used >= joins // 6  # the joined plans often win (the others end at the last unit)
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_a_resumed_backward_search_is_the_one_shot_search(dense):
+    """A backward search stopped by its budget and resumed in small steps returns the
+    same plan as one run without a budget, and with the bound lowered on the way (to
+    just above the optimum) still the brute-force optimum."""
+    rng = np.random.default_rng(81 + dense)
+    resumed = 0
+    for i in range(40):
+        inst = random_instance(rng, int(rng.integers(2, 9 if dense else 11)), dense=dense)
+        if i % 2:
+            inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=0.0))
+        truth = brute_force(inst) - inst.forward_s
+        one_shot = planner._SuffixSearch(inst, math.inf).solve()
+        for lowered in (math.inf, truth * (1 + 1e-9)):
+            search = planner._SuffixSearch(inst, math.inf, budget=1)
+            found = search.solve()
+            while found is None and search.outcome == "budget":
+                found = search.resume(int(rng.integers(1, 6)), lowered)
+                resumed += 1
+            assert found is not None
+            if lowered == math.inf:
+                assert found == one_shot
+            value = resimulate(inst, planner._groups_from_bounds(found[0]), found[1])
+            assert value - inst.forward_s == pytest.approx(truth, rel=REL)
+    assert resumed >= 100
+
+
 @pytest.mark.parametrize("start_budget", [4, 60])
 def test_the_first_turn_turning_into_a_beam_keeps_optimal_exact(monkeypatch, start_budget):
     """A first forward turn that runs out of budget goes on as a beam search, whose plan

@@ -36,8 +36,8 @@ those of the sparse model.
 Exactness and the safety valve: without a dense cost, up to :data:`EXACT_UNITS` (1000)
 units, ``optimal`` is always the exact optimum - two exact searches, forward over
 ``(c, e)`` fronts (:class:`_FrontierSearch`) and backward over ``(Ys, G)`` fronts
-(:class:`_SuffixSearch`), take turns with growing candidate budgets until one finishes
-(:func:`_search`). Beyond that size, and always with a dense cost (whose fronts can take
+(:class:`_SuffixSearch`), take turns with growing candidate budgets until one finishes,
+each joining its states to what the other (or a beam search) found (:func:`_search`). Beyond that size, and always with a dense cost (whose fronts can take
 minutes to search exhaustively), :data:`SEARCH_BUDGET` stops a search that has not
 finished; ``optimal`` then returns the best plan found and emits
 :class:`SearchBudgetWarning`.
@@ -517,19 +517,32 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     search over those boundaries decides the modes. Otherwise two exact searches race:
     the forward search over ``(c, e)`` fronts (:class:`_FrontierSearch`) and the
     backward search over ``(Ys, G)`` fronts (:class:`_SuffixSearch`). Each is fast on
-    instances where the other can be slow, so they take turns with the same candidate
-    budget, growing by :data:`_RACE_GROWTH` every round, and the first to finish returns
-    the optimum (both are
-    exact, so which one finishes does not change the plan's time; ties between equal
-    plans are broken by a fixed order). The turns depend on counts only, never on a
-    clock, so every rank takes the same turns. After the first turn a beam search
-    tightens the upper bound, which prunes both searches. The backward search costs
-    about three times as much per candidate, so its turns have a third of the count
-    (a quarter with a dense cost, where it rarely wins): turns are about equal in time.
+    instances where the other can be slow, so they take turns, the candidate budget
+    growing by :data:`_RACE_GROWTH` every round, and the first to finish returns the
+    optimum (both are exact, so which one finishes does not change the plan's time;
+    ties between equal plans are broken by a fixed order). The turns depend on counts
+    only, never on a clock, so every rank takes the same turns.
 
-    With a dense cost, or beyond :data:`EXACT_UNITS` units, once the turns together have examined
-    :data:`SEARCH_BUDGET` candidates, the best plan found so far is returned with a
-    :class:`SearchBudgetWarning` (the documented safety valve). Setting
+    The turns share what they learn:
+
+    * the first forward turn, once out of budget, goes on as a beam search (one pass
+      for both), whose plan tightens the bound and whose states at every prefix are
+      actual groupings;
+    * every backward turn joins its suffix states to those prefix states (a prefix
+      state ``(c, e)`` and a suffix state ``(Ys, G)`` make a plan of time
+      ``max(e + Ys, c + G)``) and tightens its own bound on the way - its work grows
+      steeply with the gap between bound and optimum - and hands the tighter bound on;
+    * every forward turn after a backward turn that ran out of budget joins the suffix
+      fronts that turn finished: plans whose first boundary past the point where it
+      stopped is ``t`` are priced exactly from the front at ``t`` and not stored.
+
+    The backward search costs two to three times as much per candidate: without a dense
+    cost (where, joined to the beam's prefixes, it usually ends the race) its turns get
+    half the forward turn's count, with one (where it rarely wins) a quarter.
+
+    With a dense cost, or beyond :data:`EXACT_UNITS` units, once the turns together have
+    examined :data:`SEARCH_BUDGET` candidates, the best plan found so far is returned
+    with a :class:`SearchBudgetWarning` (the documented safety valve). Setting
     ``EXACT_UNITS = 0`` applies that valve at every size.
     """
     rules = ("sparse",) if inst.dense is None else ("sparse", "dense", "cheaper")
@@ -586,21 +599,23 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     )
     least_compute = prefix_sums[1] + least_topk if inst.dense is None else prefix_sums[1]
     network_floor = _prefix_network_floor(inst, prefix_sums[0], prefix_sums[1], least_compute)
+    backward = None
     while not valve_closed():
         budget *= _RACE_GROWTH
-        # the backward search costs two to three times as much per candidate (and with
-        # a dense cost it is rarely the faster one): about equal turns in time; without
-        # a dense cost, joined to the beam's prefixes, it is usually the one that ends
-        # the race, so it gets the larger share
-        backward = _SuffixSearch(
-            inst,
-            bound,
-            budget=grant(max(1, budget // (2 if inst.dense is None else 4))),
-            least_topk=least_topk,
-            network_floor=network_floor,
-            prefix_states=prefix_states,
-        )
-        found = backward.solve()
+        # the backward turn's share of the count (see the docstring)
+        share = grant(max(1, budget // (2 if inst.dense is None else 4)))
+        if backward is None:
+            backward = _SuffixSearch(
+                inst,
+                bound,
+                budget=share,
+                least_topk=least_topk,
+                network_floor=network_floor,
+                prefix_states=prefix_states,
+            )
+            found = backward.solve()
+        else:  # it goes on where it stopped: no work is done twice
+            found = backward.resume(share, bound)
         if found is not None:
             return found
         if backward.outcome == "none":
@@ -786,6 +801,21 @@ class _FrontierSearch:
     **Fixed groups.** With ``boundaries`` given, only those prefixes are targets and only
     the front of the previous boundary is a source: the same search then chooses only
     the modes (:func:`best_modes`).
+
+    **Join.** Given ``suffix``, a :class:`_SuffixSearch` that ran out of budget while at
+    suffix start ``r``, the fronts it created for every ``t > r`` are exact (within its
+    bound). Every plan has a first boundary ``t > r``; its part before is a candidate of
+    this search at target ``t`` and its part after is (or is dominated by) a state of
+    the front at ``t``, so the least ``max(e + Ys, c + G)`` over both is that plan's
+    best completion. For targets ``r < t < L`` the candidates are therefore only priced
+    against the front at ``t`` (a binary search on ``Ys - G``, ascending along a front,
+    for where it crosses ``c - e``) and not stored; the live set stops growing at ``r``.
+    The plan is the best priced one, unless a candidate at ``L`` is better.
+
+    **Beam.** With ``beam``, or ``then_beam`` once the budget is spent, the search is a
+    heuristic: it keeps the ``beam`` states per target with the least lower bound and
+    at most ``beam_live`` live states, and records the states it keeps per target in
+    :attr:`beam_states` (for the backward search's join).
     """
 
     _PRUNE_EVERY = 8
@@ -1301,6 +1331,13 @@ class _SuffixSearch:
        ``B``'s image is no worse than ``A``'s in both coordinates, and stays so for
        every later (smaller) ``s``, since ``Y`` only grows: ``A`` is dropped.
 
+    **Join to known prefixes.** Given ``prefix_states`` (actual groupings' ``(c, e)``
+    per prefix, e.g. the beam's), every front created at ``s`` is joined to the states
+    known at ``s``: ``max(e + Ys, c + G)`` is an actual plan's time, so the bound drops
+    to the least one seen (plus a tie against rounding) and prunes the rest of the
+    search. The plan is still the one this search finds at ``s = 0``, which the tighter
+    bound never excludes (it is never below the optimum).
+
     Ties: states whose times differ by less than ``tie`` are equal; the Pareto front is
     taken with a stable sort over candidates in a fixed order (live states in order of
     creation, sparse before dense), so the plan depends only on the instance.
@@ -1331,6 +1368,7 @@ class _SuffixSearch:
         self.fronts = {}
         self.stopped_at = None
         self.chains = None
+        self._steps = None
         self.budget = budget
         L = inst.num_units
         numel, backward, self.numel_prefix, self.backward_prefix = _unit_arrays(inst)
@@ -1382,7 +1420,24 @@ class _SuffixSearch:
         self.prefix_bytes = (self.cheapest_rate * self.numel_prefix).tolist()
 
     def solve(self) -> Optional[Tuple[Tuple[int, ...], Tuple[bool, ...]]]:
-        """(group end prefixes, dense flags) of an optimal plan; None past the budget."""
+        """(group end prefixes, dense flags) of an optimal plan; None past the budget
+        (then :meth:`resume` can go on from where it stopped)."""
+        if self._steps is None:
+            self._steps = self._search()
+        return next(self._steps)
+
+    def resume(self, extra_budget: int, upper_bound: float = math.inf):
+        """Go on after the budget ran out, with ``extra_budget`` more candidates and the
+        bound lowered to ``upper_bound`` if that is less (a later bound of an actual
+        plan; nothing found so far is lost); returns as :meth:`solve`."""
+        assert self.outcome == "budget"
+        self.budget += extra_budget
+        self.upper_bound = min(self.upper_bound, float(upper_bound))
+        return next(self._steps)
+
+    def _search(self):
+        """The search as a generator: yields None each time the budget runs out, and
+        finally the result of :meth:`solve`."""
         inst = self.inst
         L = inst.num_units
         Dp = self.numel_prefix
@@ -1444,10 +1499,14 @@ class _SuffixSearch:
             size = cand_y.size
             examined += size
             self.examined = examined
-            if examined > budget:
+            while examined > budget:
                 self.outcome = "budget"
                 self.stopped_at = s
-                return None
+                yield None
+                budget = self.budget  # resumed: the candidates at s are still here
+                limit = min(limit, self.upper_bound + tie * (L + 2))
+                self.outcome = None
+                self.stopped_at = None
 
             # rule 1: only candidates that can still beat the known plan
             if s > 0:
@@ -1495,7 +1554,8 @@ class _SuffixSearch:
             if s == 0:
                 if count == 0:
                     self.outcome = "none"
-                    return None  # no plan within the bound
+                    yield None  # no plan within the bound
+                    return
                 final_id = int(ids[int(np.argmin(new_g))])  # first minimum wins ties
                 break
 
@@ -1525,9 +1585,10 @@ class _SuffixSearch:
 
         if final_id < 0:
             self.outcome = "none"
-            return None  # every state was beyond the bound
+            yield None  # every state was beyond the bound
+            return
         self.outcome = "found"
-        return self._reconstruct(final_id, starts, parents, modes, L)
+        yield self._reconstruct(final_id, starts, parents, modes, L)
 
     @staticmethod
     def _reconstruct(final_id, starts, parents, modes, L):
