@@ -497,6 +497,8 @@ EXACT_UNITS = 1000
 SEARCH_BUDGET = 10_000_000
 # Candidate budget of the forward search's first turn in the race of `_search`.
 _RACE_START_BUDGET = 250_000
+# The first turn's factor without a dense cost and with c2 = 0 (see _search).
+_LINEAR_START_FACTOR = 4
 # Factor by which the turns' budgets grow each round. A turn that finishes stops there,
 # so only the turns that run out are wasted work: about 1 / (growth - 1) of the winner's.
 _RACE_GROWTH = 4
@@ -576,6 +578,10 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
 
     # first turn: the forward search, which tolerates a loose bound best
     budget = _RACE_START_BUDGET
+    if inst.topk.c2 == 0.0 and inst.dense is None:
+        # linear top-k: the forward fronts stay small (no c2 D log D sums to tell states
+        # apart), so the forward search is the likely winner and gets a longer first turn
+        budget *= _LINEAR_START_FACTOR
     # once out of budget it goes on as a beam search, which tightens the bound (the
     # backward search needs a tight one)
     beam_search = _FrontierSearch(
