@@ -1375,6 +1375,7 @@ class _SuffixSearch:
         self.stopped_at = None
         self.chains = None
         self._steps = None
+        self._result = None
         self.budget = budget
         L = inst.num_units
         numel, backward, self.numel_prefix, self.backward_prefix = _unit_arrays(inst)
@@ -1430,7 +1431,10 @@ class _SuffixSearch:
         (then :meth:`resume` can go on from where it stopped)."""
         if self._steps is None:
             self._steps = self._search()
-        return next(self._steps)
+        elif self.outcome != "budget":
+            return self._result  # finished: the same answer again
+        self._result = next(self._steps)
+        return self._result
 
     def resume(self, extra_budget: int, upper_bound: float = math.inf):
         """Go on after the budget ran out, with ``extra_budget`` more candidates and the
@@ -1439,7 +1443,8 @@ class _SuffixSearch:
         assert self.outcome == "budget"
         self.budget += extra_budget
         self.upper_bound = min(self.upper_bound, float(upper_bound))
-        return next(self._steps)
+        self._result = next(self._steps)
+        return self._result
 
     def _search(self):
         """The search as a generator: yields None each time the budget runs out, and
