@@ -37,7 +37,8 @@ Exactness and the safety valve: without a dense cost, up to :data:`EXACT_UNITS` 
 units, ``optimal`` is always the exact optimum - two exact searches, forward over
 ``(c, e)`` fronts (:class:`_FrontierSearch`) and backward over ``(Ys, G)`` fronts
 (:class:`_SuffixSearch`), take turns with growing candidate budgets until one finishes,
-each joining its states to what the other (or a beam search) found (:func:`_search`). Beyond that size, and always with a dense cost (whose fronts can take
+each joining its states to what the other (or a beam search) found (:func:`_search`).
+Beyond that size, and always with a dense cost (whose fronts can take
 minutes to search exhaustively), :data:`SEARCH_BUDGET` stops a search that has not
 finished; ``optimal`` then returns the best plan found and emits
 :class:`SearchBudgetWarning`.
@@ -1322,8 +1323,8 @@ class _SuffixSearch:
     1. *Bound.* A prefix ending at ``s`` has ``c >= C(s)`` and ``e >= E(s)`` (lower
        bounds: its backward, plus the per-element top-k of units that might be sparse
        and one ``c0``; and one collective after that, all its bytes at the cheapest
-       rate, or :func:`_prefix_network_floor`, whichever is largest), so a candidate whose ``max(E(s) + Ys, C(s) + G)`` exceeds the bound is not
-       stored.
+       rate, or :func:`_prefix_network_floor`, whichever is largest), so a candidate
+       whose ``max(E(s) + Ys, C(s) + G)`` exceeds the bound is not stored.
     2. *Retirement.* A live state at ``t`` yields a candidate at every ``s < t``. For
        group ``s..t-1`` and every plan through it, the final time is at least
        ``M(s) = max(C0(s) + X + max(Y + Ys, G), R(s) + Y0 + Ys)`` (``C0`` is ``C``
