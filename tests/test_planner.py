@@ -481,6 +481,27 @@ def test_the_first_turn_turning_into_a_beam_keeps_optimal_exact(monkeypatch, sta
         assert plan.predicted_iteration_s == pytest.approx(brute_force(inst), rel=REL)
 
 
+def test_the_joined_race_equals_the_reference_dp_on_medium_instances(monkeypatch):
+    """With a tiny first turn, every part of the race runs on 40-120-unit instances - the
+    beam taking over the first turn, the backward search joined to its prefixes and
+    resumed, the forward search joined to a stopped backward search - and `optimal`
+    is still the plain Pareto DP's optimum (sparse and dense, linear and n log n)."""
+    monkeypatch.setattr(planner, "_RACE_START_BUDGET", 500)
+    rng = np.random.default_rng(91)
+    cases = []
+    for i in range(3):
+        cases.append(random_instance(rng, int(rng.integers(60, 120)), dense=False))
+        cases.append(realistic_instance(rng, int(rng.integers(60, 120)), False,
+                                        "nlogn" if i % 2 else "linear"))
+        cases.append(random_instance(rng, int(rng.integers(25, 40)), dense=True))
+        cases.append(realistic_instance(rng, int(rng.integers(25, 40)), True, "mixed"))
+    for inst in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SearchBudgetWarning)
+            plan = make_plan(inst)
+        assert plan.predicted_iteration_s == pytest.approx(reference_optimum(inst), rel=REL)
+
+
 def _front_with_and_without_prefilter(first, second, tie):
     order = first.argsort(kind="stable")
     plain = planner._pareto_front(first, second, order, tie)
