@@ -628,7 +628,11 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
         if backward.outcome == "none":
             # nothing better than the known plan exists (up to rounding)
             return best_plan
-        bound = min(bound, backward.best_found)
+        if backward.best_found < bound:
+            # a plan the backward turn saw but did not reconstruct: the forward search
+            # may lose a tie per group on the way to it (its own bound adds only one)
+            bound = backward.best_found + _RELATIVE_TIE * _time_scale(inst) * (
+                inst.num_units + 2)
         if valve_closed():
             break
         # the forward turn joins the fronts the backward turn finished
@@ -1547,7 +1551,8 @@ class _SuffixSearch:
                 known = self.prefix_states[s]
                 if known is not None and known[0].size:
                     # a known prefix ending at s + a suffix state: an actual plan's time,
-                    # so a bound as valid as the first (one tie against rounding)
+                    # so a bound as valid as the first (one tie against rounding; the
+                    # limit adds the ties this search may lose on the way)
                     pc, pe = known
                     found = float(np.min(np.maximum(
                         pe[:, None] + new_y[None, :], pc[:, None] + new_g[None, :]))) + tie
