@@ -221,10 +221,16 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
         groups = list(zip(last["group_keys"], last["group_dense"]))
         unused = {n for n, p in reference_model.named_parameters() if p.grad is None}
         clipped_before = len(clip_factors)
-        avg, new = two_level_reference(all_local, all_old, groups, last["step_density"],
-                                       PER_NODE, parked=unused,
-                                       clip_norm=hook_options.get("local_clip_norm"),
-                                       factors=clip_factors)
+        if last["exchange"] == "flat":  # a flat trial candidate (topology="auto")
+            from reference_omgs import reference_step
+
+            assert not unused and hook_options.get("local_clip_norm") is None
+            avg, new = reference_step(all_local, all_old, groups, last["step_density"])
+        else:
+            avg, new = two_level_reference(all_local, all_old, groups, last["step_density"],
+                                           PER_NODE, parked=unused,
+                                           clip_norm=hook_options.get("local_clip_norm"),
+                                           factors=clip_factors)
         got = flat_residuals(state)
         for name, p in model.named_parameters():
             if p.grad is None:  # unused on every rank: the residual is exactly kept
@@ -259,6 +265,7 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
                 all_new[r].get(name, torch.zeros(p.numel())).double() for r in range(world_size))
             worst["conservation"] = max(worst["conservation"], float((lhs - rhs).abs().max()))
         per_step.append({"groups": len(groups), "dense": sum(d for _, d in groups),
+                         "exchange": last["exchange"],
                          "inter": last["inter_node_bytes"], "intra": last["intra_node_bytes"],
                          "numels": [sum(dict(model.named_parameters())[n].numel() for n in keys)
                                     for keys, d in groups if not d],
@@ -473,7 +480,7 @@ def test_two_level_matches_reference_across_plan_changes(tmp_path):
     assert sparse_steps, steps
     assert max(s["residual_mass"] for s in steps) > 0
     for s in sparse_steps:
-        if s["dense"] == 0:  # only two-level groups: (N-1) * payload(k) for each
+        if s["dense"] == 0 and s["exchange"] == "hierarchical":  # (N-1) * payload(k) each
             expected = sum((NODES - 1) * 4 * (2 * max(1, math.ceil(DENSITY * -(-n // PER_NODE))) + 1)
                            for n in s["numels"])
             assert s["inter"] == expected, s

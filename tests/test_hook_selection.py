@@ -310,3 +310,44 @@ def test_re_planning_runs_off_the_autograd_thread_and_every_rank_switches_at_the
     # nobody waited for a planner: the slow plan cost no step more than its small gather
     assert slow["wait"] == 0.0 and fast["wait"] == 0.0
     assert slow["stall"]["max"] < 0.5 and fast["stall"]["max"] < 0.5
+
+
+def pinned_exchange_worker(rank, world_size):
+    """A pinned plan's "exchange" must be one the registration can run."""
+    out = {}
+    cases = {"two-level on a flat run": ({"exchange": "hierarchical"}, {}),
+             "flat on an explicit two-level run": (
+                 {"exchange": "flat"}, {"topology": "hierarchical", "ranks_per_node": 2})}
+    for case, (extra, options) in cases.items():
+        torch.manual_seed(0)
+        ddp = DDP(Net(), bucket_cap_mb=0)
+        plan = dict({"groups": [[0, 1], [2, 3, 4], [5]]}, **extra)
+        try:
+            omgs_hook.register(ddp, density=DENSITY, plan=plan, **options)
+            out[case] = "no error"
+        except ValueError as exc:
+            out[case] = str(exc)
+        del ddp
+        gc.collect()
+    # a flat pinned plan where both are allowed: it runs flat (this world is flat anyway)
+    model, ddp, state, opt = build(rank, fake_clock=False,
+                                   plan={"groups": [[0, 1], [2, 3, 4], [5]], "exchange": "flat"})
+    train_steps(ddp, opt, 0, 4, rank)
+    out["runs"] = (state.stats()["plan"]["exchange"], state.stats()["last"]["exchange"])
+    del ddp, state
+    gc.collect()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_pinned_plan_keeps_its_exchange_or_is_refused_clearly():
+    with pytest.raises(ValueError, match="plan: 'exchange' must be one of"):
+        omgs_hook.OMGSState(plan={"groups": [[0]], "exchange": "ring"})
+    results = run_ranks("test_hook_selection", "pinned_exchange_worker", world_size=2)
+    for r in results:
+        text = r["two-level on a flat run"]
+        assert text.startswith("plan: the pinned plan uses the two-level exchange"), text
+        text = r["flat on an explicit two-level run"]
+        assert text.startswith("plan: the pinned plan uses the flat exchange") and \
+            "topology='hierarchical'" in text, text
+        assert r["runs"] == ("flat", "flat")

@@ -401,3 +401,69 @@ def test_fit_correction_drops_what_it_cannot_tell_apart():
     one = fit_correction(entries(Correction(constant_s=0.003), plans=PLANS[:1]), NUMELS)
     assert one == Correction(constant_s=pytest.approx(0.003), points=1)
     assert fit_correction(entries(Correction(), measured=False), NUMELS) is None
+
+
+# ------------------------------------------------------------------ flat against two-level
+def test_flat_candidates_join_a_two_level_set_last_and_within_the_limit():
+    from omgs_hook.cost_model import hierarchical_instance
+
+    flat_inst = instance(dense=True)
+    two_level = hierarchical_instance(flat_inst, 2, LinearCost(1e-5, 1e-10),
+                                      LinearCost(4e-3, 4e-8))
+    alone = model_candidates(two_level, "optimal", exchange="hierarchical",
+                             prune_factor=math.inf)
+    got = model_candidates(two_level, "optimal", exchange="hierarchical",
+                           flat_inst=flat_inst, prune_factor=math.inf)
+    assert len(got) <= MAX_CANDIDATES and got[0] == alone[0]
+    names = [c.name for c in got]
+    assert names[-2:] == ["flat:optimal", "flat:single"], names
+    assert [c.exchange for c in got] == ["hierarchical"] * (len(got) - 2) + ["flat"] * 2
+    # the model's own set gives up its last places to them, in order
+    assert got[:-2] == alone[:MAX_CANDIDATES - 2]
+    for c, name in zip(got[-2:], ("optimal", "single")):  # planned on the flat instance
+        plan = planner.make_plan(flat_inst, name)
+        assert c.key == (plan.groups, plan.dense)
+        assert c.predicted_s == pytest.approx(plan.predicted_iteration_s, rel=1e-12)
+    # the same groups on another exchange are another candidate
+    same = cand("a", [[0, 1]])
+    other = Candidate("b", same.groups, same.dense, 1.0, exchange="flat")
+    assert len(dedupe([same, other])) == 2 and len(dedupe([other, other])) == 1
+    # another strategy: its own plan on the flat exchange
+    got = model_candidates(two_level, "layerwise", exchange="hierarchical", flat_inst=flat_inst)
+    assert [c.name for c in got][-1] == "flat:layerwise" and got[-1].exchange == "flat"
+    # without a flat instance nothing flat is added
+    assert all(c.exchange == "hierarchical" for c in alone)
+
+
+def test_flat_candidates_are_pruned_like_the_others():
+    flat_inst = instance(dense=False, slow_network=True)
+    fast = Instance(**{**flat_inst.__dict__, "comm": LinearCost(1e-6, 1e-12)})
+    got = model_candidates(fast, "optimal", exchange="hierarchical", flat_inst=flat_inst,
+                           prune_factor=1.05)
+    assert all(c.exchange == "hierarchical" for c in got), [c.name for c in got]
+
+
+def test_exchange_is_saved_and_old_plans_load_with_the_default():
+    from omgs_hook.group_plan import GroupPlan
+
+    c = Candidate("flat:single", ((0, 1),), (False,), 0.5, exchange="flat")
+    assert Candidate.from_dict(c.to_dict()) == c
+    old = {k: v for k, v in c.to_dict().items() if k != "exchange"}
+    assert Candidate.from_dict(old).exchange is None
+    with pytest.raises(ValueError, match="exchange"):
+        Candidate.from_dict(dict(c.to_dict(), exchange="ring"))
+    plan = GroupPlan(groups=(("a", "b"),), dense=(False,), layout=(("a",), ("b",)),
+                     strategy="x", predicted_iteration_s=0.1, made_at_step=3, exchange="flat")
+    assert GroupPlan.from_dict(plan.to_dict()) == plan
+    legacy = {k: v for k, v in plan.to_dict().items() if k != "exchange"}
+    assert GroupPlan.from_dict(legacy).exchange is None
+    assert GroupPlan.from_dict(legacy, default_exchange="hierarchical").exchange == "hierarchical"
+    # ranks compare the exchange too; a plan without one keeps its old digest
+    two = plan.__class__(**{**plan.__dict__, "exchange": "hierarchical"})
+    assert plan.checksum() != two.checksum()
+    bare = plan.__class__(**{**plan.__dict__, "exchange": None})
+    assert bare.checksum() not in (plan.checksum(), two.checksum())
+    with pytest.raises(ValueError, match="plan: 'exchange'"):
+        GroupPlan.from_dict(dict(plan.to_dict(), exchange="tree"))
+    report = Trial([c, cand("b", [[0], [1]])], 0).report()
+    assert [e["exchange"] for e in report["candidates"]] == ["flat", None]

@@ -160,6 +160,9 @@ class StepExchange:
                 self.memory.migrate_overlapping(keys)
                 self._send_hierarchical_dense(keys, numel)
             return
+        # a flat step after a two-level one (the trial of a topology="auto" run switches
+        # exchanges): shard residuals become the per-parameter residuals this path sends
+        self.memory.migrate_overlapping(keys)
         bucket_index = self.whole_bucket(keys) if dense else None
         if bucket_index is not None and self.clip_per_sqrt_element is None and all(
                 key in self.parked or self.memory.get(key) is None for key in keys):
@@ -285,6 +288,10 @@ class StepExchange:
             self.health[-1][1] = acc.new_zeros(())  # everything is sent
         if self.track_staleness:
             self.memory.group_ages(buffers).zero_()
+        # divided before the sum, as the in-place path does: which of the two a rank takes
+        # depends on its own residuals (a two-level shard, a parked parameter), and the
+        # ranks' contributions must add up to the average either way
+        acc.div_(self.world_size)
         record = GroupRecord(keys, True, numel, numel, 4 * numel, started)
         self._issue(lambda: communicator.allreduce_async(acc, self.process_group),
                     lambda: self._finish_dense(keys, acc, segments=segments), record)
@@ -481,15 +488,12 @@ class StepExchange:
         self.nonfinite = True
 
     def _finish_dense(self, keys, summed, segments):
+        # ``summed``: the sum of every rank's share, each divided by the world size first
         if not bool(torch.isfinite(summed.sum())) and not bool(torch.isfinite(summed).all()):
             self._mark_nonfinite()
-        if segments is not None:  # averaged straight into the bucket buffers
-            scale = 1.0 / self.world_size
+        if segments is not None:  # the average, into the bucket buffers
             for g_off, n, grad in segments:
-                if grad.dtype == summed.dtype:
-                    torch.mul(summed[g_off:g_off + n], scale, out=grad)
-                else:
-                    grad.copy_(summed[g_off:g_off + n].mul_(scale))
+                grad.copy_(summed[g_off:g_off + n])
         for key in keys:
             if key not in self.parked and self.memory.get(key) is not None:
                 self.memory.stage(key, None)  # the residual went out with the dense sum

@@ -12,6 +12,18 @@ is sent as soon as every parameter in it has arrived.
 import dataclasses
 import hashlib
 import json
+from typing import Optional
+
+#: the exchanges a plan can run on (``omgs_hook.topology`` kinds)
+EXCHANGES = ("flat", "hierarchical")
+
+
+def check_exchange(value, option="plan"):
+    """``value`` if it is an exchange kind or None, else ValueError naming ``option``."""
+    if value is not None and value not in EXCHANGES:
+        raise ValueError(f"{option}: 'exchange' must be one of {EXCHANGES} or absent, "
+                         f"got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +37,8 @@ class GroupPlan:
         strategy: the planner strategy that produced it.
         predicted_iteration_s: the planner's prediction for one iteration.
         made_at_step: the hook step after which it was adopted.
+        exchange: ``"flat"`` or ``"hierarchical"`` (the two-level exchange); None (a plan
+            saved before plans carried it): the registration's topology.
     """
 
     groups: tuple
@@ -33,9 +47,10 @@ class GroupPlan:
     strategy: str
     predicted_iteration_s: float
     made_at_step: int
+    exchange: Optional[str] = None
 
     @classmethod
-    def from_unit_plan(cls, plan, layout, made_at_step):
+    def from_unit_plan(cls, plan, layout, made_at_step, exchange=None):
         """Translate a planner ``Plan`` over bucket indices into parameter groups."""
         groups = tuple(
             tuple(key for unit in unit_group for key in layout[unit]) for unit_group in plan.groups
@@ -47,11 +62,15 @@ class GroupPlan:
             strategy=plan.strategy,
             predicted_iteration_s=float(plan.predicted_iteration_s),
             made_at_step=int(made_at_step),
+            exchange=check_exchange(exchange),
         )
 
     def checksum(self):
-        """A 63-bit digest of what every rank must agree on (groups and modes)."""
-        text = json.dumps([list(map(list, self.groups)), list(self.dense)], separators=(",", ":"))
+        """A 63-bit digest of what every rank must agree on (groups, modes, exchange)."""
+        fields = [list(map(list, self.groups)), list(self.dense)]
+        if self.exchange is not None:  # (a plan without one keeps its old digest)
+            fields.append(self.exchange)
+        text = json.dumps(fields, separators=(",", ":"))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
     def unit_groups(self):
@@ -78,10 +97,13 @@ class GroupPlan:
             "strategy": self.strategy,
             "predicted_iteration_s": self.predicted_iteration_s,
             "made_at_step": self.made_at_step,
+            "exchange": self.exchange,
         }
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d, default_exchange=None):
+        """``to_dict``'s inverse; a dict without ``"exchange"`` (saved before plans carried
+        it) gets ``default_exchange``."""
         try:
             groups = tuple(tuple(str(k) for k in g) for g in d["groups"])
             dense = tuple(bool(x) for x in d["dense"])
@@ -95,6 +117,7 @@ class GroupPlan:
                 strategy=str(d["strategy"]),
                 predicted_iteration_s=float(d["predicted_iteration_s"]),
                 made_at_step=int(d["made_at_step"]),
+                exchange=check_exchange(d.get("exchange") or default_exchange),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"plan in state dict is malformed: {exc!r}") from None

@@ -23,6 +23,10 @@ node level (the top-k of the node's summed accumulator). Residuals that are not 
 group's shard store (a checkpoint, a plan change that moved shard boundaries) are added
 *before* the reduce-scatter by whichever rank holds them - the sums are the same, so no
 residual is lost or counted twice; only the rounding order differs from the fast path.
+The other direction (a flat step after a two-level one: the measured selection of a
+``topology="auto"`` run compares both exchanges) migrates the shard stores of the flat
+group's parameters into per-parameter residuals first (zeros outside the shard), which
+the flat sparse and dense paths then send: summed over ranks, the same mass.
 
 Stages 1-3 each need the previous collective's result, and collectives may only be
 issued from the hook's own thread (a collective inside a future callback deadlocks gloo).

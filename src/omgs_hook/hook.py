@@ -70,7 +70,7 @@ from .cost_model import (Instance, InstanceError, LinearCost, TopkCost, Unit, ch
                          hierarchical_instance)
 from .background_planner import BackgroundPlanner
 from .group_exchange import StepExchange
-from .group_plan import GroupPlan
+from .group_plan import GroupPlan, check_exchange
 from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, comm_scale,
                            comm_sums, slowest_rank_timeline)
 from .profile_file import Profile, default_profile, load_profile, profile_mismatches
@@ -116,12 +116,14 @@ def _check_int(name, value, minimum):
 
 
 def _parse_pinned_plan(plan):
-    """``plan=`` -> None, ``("keys", GroupPlan)`` or ``("units", groups, dense)``.
+    """``plan=`` -> None, ``("keys", GroupPlan)`` or ``("units", groups, dense, predicted,
+    exchange)``.
 
     Raises ValueError naming ``plan`` for anything it cannot use."""
     if plan is None:
         return None
     if isinstance(plan, GroupPlan):
+        check_exchange(plan.exchange)
         return ("keys", dataclasses.replace(plan, made_at_step=0))
     if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
         path = os.fsdecode(plan)
@@ -151,6 +153,7 @@ def _parse_pinned_plan(plan):
     if not isinstance(dense, list) or len(dense) != len(groups) or not all(
             isinstance(d, bool) for d in dense):
         raise ValueError(f"plan: 'dense' must be a list of {len(groups)} booleans")
+    exchange = check_exchange(plan.get("exchange"))  # None: the registration's
     flat = [x for g in groups for x in g]
     predicted = plan.get("predicted_iteration_s")
     predicted = float(predicted) if isinstance(predicted, (int, float)) else 0.0
@@ -164,13 +167,14 @@ def _parse_pinned_plan(plan):
             raise ValueError("plan: 'layout' must be a list of lists of parameter names") from None
         return ("keys", GroupPlan(groups=tuple(tuple(g) for g in groups), dense=tuple(dense),
                                   layout=layout, strategy="pinned",
-                                  predicted_iteration_s=predicted, made_at_step=0))
+                                  predicted_iteration_s=predicted, made_at_step=0,
+                                  exchange=exchange))
     if all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
         try:
             units = check_groups(groups, len(flat))
         except InstanceError as exc:
             raise ValueError(f"plan: {exc}") from None
-        return ("units", units, tuple(dense), predicted)
+        return ("units", units, tuple(dense), predicted, exchange)
     raise ValueError("plan: groups must hold parameter names or bucket indices, not a mix")
 
 
@@ -217,15 +221,20 @@ def _compute_plan(job, strategy, select):
     ``{"candidates": [...] or None, "plan": Candidate or None (None: keep the plan in
     use), "reason": ..., "model_key": ...}``."""
     inst = Instance.from_dict(job["instance"])
+    # the exchange of the model's plans, and (topology="auto" resolved to the two-level
+    # exchange) the flat instance whose plans the trial compares with them
+    exchange = job.get("exchange")
+    flat_inst = Instance.from_dict(job["flat_instance"]) if job.get("flat_instance") else None
     unit_plan = planner_mod.make_plan(inst, strategy)
     model_key = (tuple(map(tuple, unit_plan.groups)), tuple(bool(d) for d in unit_plan.dense))
     out = {"candidates": None, "plan": None, "reason": "model", "model_key": model_key}
     if select == "model":
-        out["plan"] = plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan)
+        out["plan"] = plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan, exchange)
         return out
     kept = job["kept"]
     if kept is None:  # a full trial: the first plan, a new layout
-        candidates = plan_selection.model_candidates(inst, strategy, unit_plan)
+        candidates = plan_selection.model_candidates(inst, strategy, unit_plan,
+                                                     exchange=exchange, flat_inst=flat_inst)
         if len(candidates) > 1:
             out["candidates"] = candidates
         else:
@@ -236,11 +245,15 @@ def _compute_plan(job, strategy, select):
     if model_key == (tuple(map(tuple, previous[0])), tuple(previous[1])):
         return out  # the model's inputs led to the plan the last trial started from
     groups = tuple(tuple(g) for g in kept["groups"])
-    dense = tuple(kept["dense"]) if inst.dense is not None else (False,) * len(groups)
+    kept_exchange = kept.get("exchange") or exchange
+    # a kept flat winner is priced on the flat instance
+    kept_inst = flat_inst if kept_exchange == "flat" and flat_inst is not None else inst
+    dense = tuple(kept["dense"]) if kept_inst.dense is not None else (False,) * len(groups)
     candidates = plan_selection.dedupe([
-        plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan),
+        plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan, exchange),
         plan_selection.Candidate.from_plan(f"kept:{kept['name']}",
-                                           planner_mod.evaluate(inst, groups, dense)),
+                                           planner_mod.evaluate(kept_inst, groups, dense),
+                                           kept_exchange),
     ])
     if len(candidates) > 1 and job["retrial_ok"]:
         out["candidates"] = candidates
@@ -294,7 +307,9 @@ class OMGSState:
             model-based plan, a bounded trial times a few candidate plans for real (the
             model's choice, the optimum without dense groups, all-dense (DDP's own
             all-reduce per bucket, with ``allow_dense``), ``single``, ``layerwise``,
-            ``greedy``, the model's best plans one group fewer and one more; duplicates
+            ``greedy``, the model's best plans one group fewer and one more; with
+            ``topology="auto"`` on a two-level cluster also ``flat:optimal`` and
+            ``flat:single`` on the flat exchange; duplicates
             and plans the model predicts over 1.5x its best are left out) and keeps the
             fastest by the slowest rank's step time. ``"model"``: the cost model's plan
             as is (with ``allow_dense=False`` this is the OMGS paper's algorithm,
@@ -373,7 +388,13 @@ class OMGSState:
             an intra-node all-gather (docs/hierarchical.md) -, or ``"auto"`` (default):
             hierarchical when there is more than one node and more than one rank per
             node, else flat. Subgroups are created at registration (every rank must
-            construct the state at the same point, as with DDP itself).
+            construct the state at the same point, as with DDP itself). With ``"auto"``
+            resolved to the two-level exchange and ``select="measured"``, the trial also
+            times plans on the flat exchange (``flat:optimal``, ``flat:single``, planned
+            with the flat model, in the last two of its at most 7 places) and the run
+            keeps whichever exchange is faster; each plan carries its exchange
+            (``stats()["plan"]["exchange"]``). An explicit ``"hierarchical"`` or
+            ``"flat"`` is kept as asked.
         ranks_per_node (int): ranks per node; consecutive ranks form a node. Default
             None: torchrun's ``LOCAL_WORLD_SIZE`` (unset: one rank per node for
             ``"auto"``; an error for ``"hierarchical"``). Must divide the world size.
@@ -523,6 +544,7 @@ class OMGSState:
         self._last_exchange = None
         self._plan_instance = None  # (layout, Instance) of the last re-plan
         self._base_instance = None  # (layout, Instance before the correction, two-level costs)
+        self._flat_instance = None  # (layout, the flat Instance) of the last re-plan
         self._forward_end_wall = None
         self._health = None  # (step, [(grad^2, residual^2) per group]) of the last measured step
         self._staleness = None  # (step, [(keys, int32 ages) per sparse group])
@@ -596,6 +618,51 @@ class OMGSState:
         self._subgroups = (topology_mod.build_subgroups(topo, self.process_group)
                            if topo.hierarchical else None)
         self.topology = topo
+        self._check_pinned_exchange()
+        if self.plan is not None and self.plan.exchange is None:  # loaded before the set-up
+            self.plan = dataclasses.replace(self.plan, exchange=topo.kind)
+
+    def _check_pinned_exchange(self):
+        """A pinned plan's ``exchange`` must be one this registration can run."""
+        exchange = self._pinned_exchange()
+        if exchange is None or exchange == self.topology.kind:
+            return
+        if exchange == "hierarchical":
+            raise ValueError(
+                "plan: the pinned plan uses the two-level exchange ('exchange': "
+                f"'hierarchical') but the topology resolved to {self.topology.describe()} "
+                f"(topology={self.topology.requested!r}); pass topology='hierarchical' with "
+                "ranks_per_node, or remove 'exchange' from the plan")
+        if self.topology.requested != "auto":
+            raise ValueError(
+                f"plan: the pinned plan uses the flat exchange ('exchange': 'flat') but "
+                f"topology={self.topology.requested!r} was asked for; pass topology='auto' "
+                "to run it flat, or remove 'exchange' from the plan")
+
+    def _pinned_exchange(self):
+        if self._pinned is None:
+            return None
+        return self._pinned[1].exchange if self._pinned[0] == "keys" else self._pinned[4]
+
+    def _registered_exchange(self):
+        """The exchange of the registration's topology (None before it is resolved)."""
+        return self.topology.kind if self.topology is not None else None
+
+    def _compares_exchanges(self):
+        """Whether the trial also times flat candidates: ``topology="auto"`` resolved to
+        the two-level exchange (an explicit topology is kept as asked)."""
+        topo = self.topology
+        return (topo is not None and topo.hierarchical and topo.requested == "auto"
+                and self.select == "measured" and self._pinned is None)
+
+    def _step_exchange_kind(self):
+        """The exchange this step runs: the plan's, or the registration's in the warm-up
+        (and without a plan)."""
+        if self._subgroups is None:
+            return "flat"
+        if self.plan is None or self._in_dense_mode():
+            return self.topology.kind
+        return self.plan.exchange or self.topology.kind
 
     def _first_bucket_setup(self, bucket):
         device = bucket.buffer().device
@@ -655,7 +722,7 @@ class OMGSState:
             return None
         if self._pinned[0] == "keys":
             return self._pinned[1].checksum()
-        return repr(self._pinned[1:3])
+        return repr(self._pinned[1:3] + self._pinned[4:])
 
     def _check_consistency(self):
         import hashlib
@@ -763,7 +830,8 @@ class OMGSState:
             measure_health=self.step % HEALTH_EVERY == 0,
             track_staleness=self.track_staleness,
             topology=self.topology,
-            subgroups=self._subgroups,
+            # the plan's exchange; the subgroups exist from the registration either way
+            subgroups=self._subgroups if self._step_exchange_kind() == "hierarchical" else None,
         )
         # the step this backward completes (counted from 1); the counter itself only
         # advances at the last bucket, possibly after the collectives finished
@@ -857,7 +925,7 @@ class OMGSState:
             plan = self._pinned[1]
             _check_plan_keys(plan, {k for bucket in layout for k in bucket})
         else:
-            _, units, dense, predicted = self._pinned
+            _, units, dense, predicted, _ = self._pinned
             num_units = sum(len(g) for g in units)
             if len(layout) != num_units:
                 if self.step < self.warmup_steps + LAYOUT_SETTLE_STEPS:
@@ -869,7 +937,9 @@ class OMGSState:
             unit_plan = planner_mod.Plan(strategy="pinned", groups=units, dense=dense,
                                          predicted_iteration_s=predicted, non_overlapped_s=0.0)
             plan = GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=self.step)
-        self.plan = dataclasses.replace(plan, made_at_step=self.step)
+        self.plan = dataclasses.replace(plan, made_at_step=self.step,
+                                        exchange=self._pinned_exchange()
+                                        or self._registered_exchange())
         self._note_plan("pinned")
 
     def _restore_pinned(self, saved):
@@ -880,14 +950,17 @@ class OMGSState:
         if self.step < self.warmup_steps:
             return
         made_at = saved.made_at_step if saved is not None else self.step
+        exchange = self._pinned_exchange() or self._registered_exchange()
         if self._pinned[0] == "keys":
-            self.plan = dataclasses.replace(self._pinned[1], made_at_step=made_at)
+            self.plan = dataclasses.replace(self._pinned[1], made_at_step=made_at,
+                                            exchange=exchange)
             return
-        _, units, dense, predicted = self._pinned
+        _, units, dense, predicted, _ = self._pinned
         if saved is not None and len(saved.layout) == sum(len(g) for g in units):
             unit_plan = planner_mod.Plan(strategy="pinned", groups=units, dense=dense,
                                          predicted_iteration_s=predicted, non_overlapped_s=0.0)
-            self.plan = GroupPlan.from_unit_plan(unit_plan, saved.layout, made_at_step=made_at)
+            self.plan = GroupPlan.from_unit_plan(unit_plan, saved.layout, made_at_step=made_at,
+                                                 exchange=exchange)
 
     def _note_stall(self, seconds):
         """Host seconds a step spent on re-planning on the autograd thread (gathering the
@@ -898,7 +971,7 @@ class OMGSState:
         """Record the plan in use from step ``self.step`` on (``stats()["plan_history"]``)."""
         plan = self.plan
         entry = {"step": self.step, "strategy": plan.strategy, "groups": plan.unit_groups(),
-                 "dense": list(plan.dense), "reason": reason,
+                 "dense": list(plan.dense), "exchange": plan.exchange, "reason": reason,
                  "predicted_s": plan.predicted_iteration_s, "checksum": plan.checksum()}
         self._plan_history.append(entry)
         del self._plan_history[:-PLAN_HISTORY_LIMIT]
@@ -908,7 +981,8 @@ class OMGSState:
                                      dense=candidate.dense,
                                      predicted_iteration_s=candidate.predicted_s,
                                      non_overlapped_s=0.0)
-        return GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=step)
+        return GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=step,
+                                        exchange=candidate.exchange or self._registered_exchange())
 
     def _advance_trial(self):
         """At bucket 0 of step ``self.step``: close a finished round (one all-gather of
@@ -957,6 +1031,10 @@ class OMGSState:
         return report
 
     def _start_trial_from(self, trial):
+        # candidates saved before they carried an exchange ran on the registration's
+        kind = self._registered_exchange()
+        trial.candidates = [c if c.exchange is not None or kind is None
+                            else dataclasses.replace(c, exchange=kind) for c in trial.candidates]
         self._trial = trial
         self._trial_plans = [self._group_plan(c, self._trial_layout, trial.start_step)
                              for c in trial.candidates]
@@ -1069,6 +1147,8 @@ class OMGSState:
         self._base_instance = (tuple(tuple(b) for b in layout), base, two_level)
         # what the last trial measured beyond the model (plan_selection.Correction)
         instance = _corrected(base, correction)
+        # the flat exchange's instance: what a two-level run's flat candidates are priced by
+        self._flat_instance = (self._base_instance[0], instance)
         if two_level is not None:
             # the two-level exchange: its sparse groups follow the two-level timeline
             # (reduce-scatter and shard top-k, inter-node then intra-node all-gather);
@@ -1169,10 +1249,12 @@ class OMGSState:
             self._check_at = None
         instance, inputs = self._build_instance(layout)
         self._plan_instance = (tuple(tuple(b) for b in layout), instance)  # for summary()
+        flat_instance = self._flat_instance[1]
         self._comm_override = inputs.pop("comm_override")
         self._planned_with = inputs
         if reason in ("check", "overhead") and self.plan is not None and self.plan.layout == layout:
-            self._check_plan_in_use(instance, inputs["measured_step_s"])
+            self._check_plan_in_use(self._instance_for(self.plan, instance, flat_instance),
+                                    inputs["measured_step_s"])
             if reason == "check" and self.select == "measured":
                 # the measured winner stays (a new trial comes with the periodic re-plan);
                 # its prediction is now the one made from its own steps
@@ -1192,7 +1274,12 @@ class OMGSState:
             "overhead_known": bool(inputs["overhead_measured"]),
             "apply_at_step": self.step + PLAN_LAG,
             "kept": ({"name": kept.strategy, "groups": kept.unit_groups(),
-                      "dense": list(kept.dense)} if periodic else None),
+                      "dense": list(kept.dense), "exchange": kept.exchange}
+                     if periodic else None),
+            # the model's plans run on the registration's exchange; with topology="auto"
+            # resolved two-level the trial also times flat plans, priced on this instance
+            "exchange": self._registered_exchange(),
+            "flat_instance": flat_instance.to_dict() if self._compares_exchanges() else None,
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if periodic else None),
             # a later trial only while all of them stay within the budget
@@ -1200,6 +1287,21 @@ class OMGSState:
         }
         self._totals["replans"] += 1
         self._submit_plan_job(job)
+
+    def _instance_for(self, plan, instance, flat_instance):
+        """The instance that prices ``plan``: the flat one for a flat plan in a two-level
+        run, else the registration's."""
+        if plan.exchange == "flat" and self._subgroups is not None:
+            return flat_instance
+        return instance
+
+    def _priced_instance(self, plan):
+        """The last re-plan's instance for ``plan`` (its exchange's), or None when that
+        re-plan was for another layout (for ``summary()`` and ``plot_timeline``)."""
+        if self._plan_instance is None or self._plan_instance[0] != plan.layout:
+            return None
+        flat = self._flat_instance[1] if self._flat_instance is not None else None
+        return self._instance_for(plan, self._plan_instance[1], flat)
 
     def _plan_in_use_from(self, step, check):
         """A plan runs from ``step`` on: measure it from there and, with ``check``, re-check
@@ -1211,7 +1313,7 @@ class OMGSState:
         """The plan in use, predicted from the steps it ran (``instance``), against the
         slowest rank's measured step (``stats()["model_check"]``)."""
         plan = self.plan
-        refit = self._refit_correction(plan.layout)
+        refit = self._refit_correction(plan.layout, plan.exchange)
         if refit is not None:
             instance = refit
         predicted = planner_mod.evaluate(instance, plan.unit_groups(),
@@ -1230,14 +1332,15 @@ class OMGSState:
                     "measured %s", self.step, plan.strategy, len(plan.groups), predicted,
                     "-" if measured_s is None else f"{measured_s:.4f} s")
 
-    def _refit_correction(self, layout):
+    def _refit_correction(self, layout, exchange=None):
         """With ``select="measured"``: refit the correction from the last trial's measured
         candidates against the model as it is now (its inputs measured with the plan in
         use, collective costs scaled by ``measured_comm``), replacing the one fitted at
         the trial's end against the model of the trial's start - which already absorbed
         what the measured collective costs now explain. Returns the instance with the
-        new correction, or None (nothing to refit from). Gathered numbers only: the same
-        on every rank."""
+        new correction for a plan on ``exchange`` (a flat plan of a two-level run: the flat
+        instance), or None (nothing to refit from). Gathered numbers only: the same on
+        every rank."""
         if self.select != "measured" or self._base_instance is None or not self._last_trial:
             return None
         base_layout, base, two_level = self._base_instance
@@ -1248,17 +1351,19 @@ class OMGSState:
         for c in self._last_trial.get("candidates") or []:
             if c.get("measured_s") is None:
                 continue
-            dense = list(c["dense"]) if uncorrected.dense is not None else None
+            # a flat candidate of a two-level run: priced on the flat model
+            model = base if c.get("exchange") == "flat" else uncorrected
+            dense = list(c["dense"]) if model.dense is not None else None
             if dense is None and any(c["dense"]):
                 continue
-            predicted = planner_mod.evaluate(uncorrected, c["groups"], dense=dense)
+            predicted = planner_mod.evaluate(model, c["groups"], dense=dense)
             candidates.append(dict(c, predicted_s=predicted.predicted_iteration_s))
         fit = plan_selection.fit_correction(candidates, [u.numel for u in base.layers])
         if fit is None:
             return None
         self._correction = fit
         instance = _corrected(base, fit)
-        if two_level is None:
+        if two_level is None or exchange == "flat":
             return instance
         return hierarchical_instance(instance, *_two_level_corrected(two_level, fit))
 
@@ -1339,7 +1444,8 @@ class OMGSState:
         if exchange.error is not None:
             return
         self.meter.step_finished(exchange.finish_wall)
-        if self.measured_comm and exchange.subgroups is None and self._on_host():
+        # (a two-level run's flat trial steps are not sampled: its model is two-level)
+        if self.measured_comm and self._subgroups is None and self._on_host():
             self._comm_times.add(comm_sums(exchange.records))
         if exchange.density == self.density:  # not in the density warm-up: plans are for this
             for sample in exchange.overhead_samples:
@@ -1366,6 +1472,7 @@ class OMGSState:
             "selected": selected,
             "density": selected / numel if numel else 0.0,
             "step_density": exchange.density,
+            "exchange": "hierarchical" if exchange.subgroups is not None else "flat",
             "inter_node_bytes": sum(r.inter_bytes for r in records),
             "intra_node_bytes": sum(r.intra_bytes for r in records),
             "groups": len(records),
@@ -1472,6 +1579,7 @@ class OMGSState:
                 "groups": self.plan.unit_groups(),
                 "group_keys": [list(g) for g in self.plan.groups],
                 "dense": list(self.plan.dense),
+                "exchange": self.plan.exchange,
                 "num_groups": len(self.plan.groups),
                 "made_at_step": self.plan.made_at_step,
                 "predicted_iteration_s": self.plan.predicted_iteration_s,
@@ -1550,10 +1658,9 @@ class OMGSState:
                 f"omgs_hook after {s['step']} steps: plan '{plan.strategy}' ({how}, in use "
                 f"since step {plan.made_at_step}): {len(plan.groups)} groups, "
                 f"{sum(plan.dense)} dense, density {self.density:g}, select={self.select}"
-                + (f", topology {self.topology.describe()}" if self.topology is not None else ""))
-            costs = None
-            if self._plan_instance is not None and self._plan_instance[0] == plan.layout:
-                costs = self._plan_instance[1]
+                + (f", topology {self.topology.describe()}" if self.topology is not None else "")
+                + (f", exchange {plan.exchange}" if self._subgroups is not None else ""))
+            costs = self._priced_instance(plan)
             for g, units in enumerate(plan.unit_groups()):
                 numel = sum(math.prod(self._shapes[k]) for k in plan.groups[g])
                 span = f"bucket {units[0]}" if len(units) == 1 else f"buckets {units[0]}-{units[-1]}"
@@ -1601,8 +1708,8 @@ class OMGSState:
         if self.plan is None or exchange is None or self.meter.wall_step_start is None:
             raise RuntimeError("omgs_hook.plot_timeline: no planned, measured step yet")
         panels = []
-        if self._plan_instance is not None and self._plan_instance[0] == self.plan.layout:
-            instance = self._plan_instance[1]
+        instance = self._priced_instance(self.plan)
+        if instance is not None:
             panels.append((f"predicted ({self.plan.strategy})",
                            schedule(instance, self.plan.unit_groups(), self.plan.dense)))
         end = self._forward_end_wall
@@ -1631,6 +1738,9 @@ class OMGSState:
             + (f" topology {self.topology.describe()}"
                f" inter-node {last.get('inter_node_bytes', 0) / 1e6:.3f} MB"
                if self.topology is not None else "")
+            # a two-level run's plan may run on either exchange (the trial compares them)
+            + (f" exchange {plan['exchange']}"
+               if self._subgroups is not None and plan is not None else "")
             + (f" ({self._trial.summary()} running)" if self._trial is not None else "")
             + (f" last {plan_selection.summary_of(self._last_trial)}"
                if self._last_trial is not None and self._trial is None else "")
@@ -1721,7 +1831,9 @@ class OMGSState:
                 self.world_size, self._saved_topology() or "flat", norm,
             )
             self.memory.load_state_dict({})
-        self.plan = GroupPlan.from_dict(sd["plan"]) if sd.get("plan") else None
+        # a plan saved before plans carried their exchange ran on the registration's
+        self.plan = (GroupPlan.from_dict(sd["plan"], default_exchange=self._registered_exchange())
+                     if sd.get("plan") else None)
         if drop_residuals:
             self.plan = None  # planned for another world size
         self.step = int(sd.get("step", 0))

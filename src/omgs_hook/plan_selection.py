@@ -8,7 +8,10 @@ holds the pure logic of the check the hook runs after each model-based plan:
 * :func:`model_candidates` - a small, deduplicated candidate set from the model: the
   model's choice, the optimum without dense groups, an all-dense plan (DDP's own
   all-reduce per bucket), ``single`` (TopK-SGD), ``layerwise`` (LAGS-SGD), ``greedy``, and
-  the model's best plans one group fewer and one group more than the sparse optimum.
+  the model's best plans one group fewer and one group more than the sparse optimum;
+  in a two-level run with ``topology="auto"`` also the flat model's ``optimal`` and
+  ``single`` on the flat exchange (``flat:optimal``, ``flat:single``), so the trial
+  measures the exchange as well as the grouping.
 * :class:`Trial` - the deterministic schedule (every candidate in turn: ``settle`` steps
   not counted, then ``measure`` counted steps), the slowest-rank reduction of the
   numbers every rank gathered, the near-tie re-measure and the winner.
@@ -29,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from . import planner as planner_mod
 from .cost_model import Instance
+from .group_plan import check_exchange
 
 #: steps run with a candidate before its steps are counted (new buffer sizes, caches)
 SETTLE_STEPS = 1
@@ -73,41 +77,48 @@ def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One plan to try: groups of unit indices, dense flags, the model's prediction."""
+    """One plan to try: groups of unit indices, dense flags, the model's prediction, and
+    the exchange it runs on (``"flat"``, ``"hierarchical"``; None: the registration's)."""
 
     name: str
     groups: Tuple[Tuple[int, ...], ...]
     dense: Tuple[bool, ...]
     predicted_s: float
+    exchange: Optional[str] = None
 
     @property
     def key(self):
+        """The plan's groups and modes (its exchange aside)."""
         return (self.groups, self.dense)
 
     def to_dict(self):
         return {"name": self.name, "groups": [list(g) for g in self.groups],
-                "dense": list(self.dense), "predicted_s": self.predicted_s}
+                "dense": list(self.dense), "predicted_s": self.predicted_s,
+                "exchange": self.exchange}
 
     @classmethod
     def from_dict(cls, d):
+        # a candidate saved before candidates carried an exchange: None (the registration's)
         return cls(name=str(d["name"]), groups=tuple(tuple(int(u) for u in g) for g in d["groups"]),
-                   dense=tuple(bool(x) for x in d["dense"]), predicted_s=float(d["predicted_s"]))
+                   dense=tuple(bool(x) for x in d["dense"]), predicted_s=float(d["predicted_s"]),
+                   exchange=check_exchange(d.get("exchange"), "trial"))
 
     @classmethod
-    def from_plan(cls, name, plan):
+    def from_plan(cls, name, plan, exchange=None):
         return cls(name=name, groups=tuple(tuple(g) for g in plan.groups),
                    dense=tuple(bool(x) for x in plan.dense),
-                   predicted_s=float(plan.predicted_iteration_s))
+                   predicted_s=float(plan.predicted_iteration_s), exchange=exchange)
 
 
 def dedupe(candidates: Sequence[Candidate], limit: Optional[int] = None) -> List[Candidate]:
-    """Drop candidates whose (groups, dense) an earlier one has; keep the first ``limit``."""
+    """Drop candidates whose (groups, dense, exchange) an earlier one has; keep the first
+    ``limit``."""
     seen = set()
     out = []
     for c in candidates:
-        if c.key in seen:
+        if (c.key, c.exchange) in seen:
             continue
-        seen.add(c.key)
+        seen.add((c.key, c.exchange))
         out.append(c)
         if limit is not None and len(out) >= limit:
             break
@@ -139,46 +150,79 @@ def neighbour_plans(inst: Instance, groups) -> List[Tuple[str, object]]:
     return out
 
 
+#: the flat candidates of a two-level run with ``topology="auto"`` (strategy "optimal";
+#: another strategy: its own plan on the flat exchange)
+FLAT_STRATEGIES = ("optimal", "single")
+#: the prefix of a flat candidate's name in a two-level run
+FLAT_PREFIX = "flat:"
+
+
 def model_candidates(inst: Instance, strategy: str, model_plan=None,
-                     limit: int = MAX_CANDIDATES, prune_factor: float = PRUNE_FACTOR) -> List[Candidate]:
+                     limit: int = MAX_CANDIDATES, prune_factor: float = PRUNE_FACTOR,
+                     exchange: Optional[str] = None,
+                     flat_inst: Optional[Instance] = None) -> List[Candidate]:
     """The candidate set of a trial, the model's choice first.
 
     ``inst`` is the instance the model planned (``inst.dense`` set when dense groups are
     allowed); ``strategy`` the user's strategy; ``model_plan`` its plan (computed here
-    when None). For ``strategy="optimal"`` the set is: the model's choice, the optimum
+    when None); ``exchange`` the exchange these candidates run on (None: the
+    registration's). For ``strategy="optimal"`` the set is: the model's choice, the optimum
     without dense groups, an all-dense plan (every unit its own dense all-reduce: DDP's
     default), ``single``, ``layerwise``, ``greedy`` (all three sparse, as in the papers),
     then the best plans one group fewer and one more than the sparse optimum. For another
     strategy only its own groups are in question: its plan, and the same groups all
-    sparse when the model sent some dense. Duplicates are dropped, candidates predicted
-    slower than ``prune_factor`` times the best prediction are left out (never the
-    model's choice), and at most ``limit`` remain.
+    sparse when the model sent some dense.
+
+    ``flat_inst`` (a two-level run with ``topology="auto"``: the flat instance, before
+    ``hierarchical_instance``) adds candidates on the flat exchange, named
+    ``flat:<strategy>``: the flat model's ``optimal`` and ``single`` (another strategy:
+    its own plan), which take the last places of the set so that the exchange itself is
+    measured too.
+
+    Duplicates are dropped; for ``strategy="optimal"`` candidates predicted slower than
+    ``prune_factor`` times the best prediction (over both exchanges) are left out (never
+    the model's choice); at most ``limit`` remain, the flat ones included (the model's
+    own set gives up its last places to them).
     """
     strategy = planner_mod.parse_strategy(strategy)
     if model_plan is None:
         model_plan = planner_mod.make_plan(inst, strategy)
+    pool = _own_candidates(inst, strategy, model_plan, exchange)
+    flat = []
+    if flat_inst is not None:
+        names = FLAT_STRATEGIES if strategy == "optimal" else (strategy,)
+        flat = [Candidate.from_plan(FLAT_PREFIX + name, planner_mod.make_plan(flat_inst, name),
+                                    exchange="flat") for name in names]
+    rest = pool[1:]
+    if strategy == "optimal":  # (another strategy's two or three plans are all tried)
+        best = min(c.predicted_s for c in pool + flat)
+        rest = [c for c in rest if c.predicted_s <= prune_factor * best]
+        flat = [c for c in flat if c.predicted_s <= prune_factor * best]
+    flat = dedupe(flat, max(0, limit - 1))
+    return dedupe([pool[0]] + rest, max(1, limit - len(flat))) + flat
+
+
+def _own_candidates(inst, strategy, model_plan, exchange):
+    """The candidate pool on the model's own exchange (``model_candidates``), unpruned."""
     sparse_inst = dataclasses.replace(inst, dense=None) if inst.dense is not None else inst
-    first = Candidate.from_plan(strategy, model_plan)
-    pool = [first]
+    pool = [Candidate.from_plan(strategy, model_plan, exchange)]
     if strategy != "optimal":
         if any(model_plan.dense):
             plan = planner_mod.evaluate(sparse_inst, model_plan.groups,
                                         [False] * len(model_plan.groups))
-            pool.append(Candidate.from_plan(f"{strategy}-sparse", plan))
-        return dedupe(pool, limit)
+            pool.append(Candidate.from_plan(f"{strategy}-sparse", plan, exchange))
+        return pool
     sparse_opt = planner_mod.make_plan(sparse_inst, "optimal")
-    pool.append(Candidate.from_plan("optimal-sparse", sparse_opt))
+    pool.append(Candidate.from_plan("optimal-sparse", sparse_opt, exchange))
     if inst.dense is not None:
         units = tuple((u,) for u in range(inst.num_units))
         plan = planner_mod.evaluate(inst, units, [True] * len(units), strategy="all-dense")
-        pool.append(Candidate.from_plan("all-dense", plan))
+        pool.append(Candidate.from_plan("all-dense", plan, exchange))
     for name in ("single", "layerwise", "greedy"):
-        pool.append(Candidate.from_plan(name, planner_mod.make_plan(sparse_inst, name)))
+        pool.append(Candidate.from_plan(name, planner_mod.make_plan(sparse_inst, name), exchange))
     for name, plan in neighbour_plans(sparse_inst, sparse_opt.groups):
-        pool.append(Candidate.from_plan(name, plan))
-    best = min(c.predicted_s for c in pool)
-    kept = [pool[0]] + [c for c in pool[1:] if c.predicted_s <= prune_factor * best]
-    return dedupe(kept, limit)
+        pool.append(Candidate.from_plan(name, plan, exchange))
+    return pool
 
 
 def _median(values):
@@ -387,7 +431,8 @@ class Trial:
         for i, c in enumerate(self.candidates):
             measured = self.measured_s(i)
             out.append({"name": c.name, "groups": [list(g) for g in c.groups],
-                        "dense": list(c.dense), "predicted_s": c.predicted_s,
+                        "dense": list(c.dense), "exchange": c.exchange,
+                        "predicted_s": c.predicted_s,
                         "measured_s": None if math.isinf(measured) else measured,
                         "samples": sum(1 for x in self.samples[i] if not math.isnan(x)),
                         "winner": i == self.winner})

@@ -43,7 +43,10 @@ the number of ranks per node. A store belongs to exactly one tuple of keys and o
 when a group with other keys (a new plan, a dense group) touches any of its keys, the
 store is first *migrated*: turned into ordinary per-parameter residuals (zeros outside
 the shard), which the next group then consumes. ``state_dict`` expands stores the same
-way, so saved residuals are always full-shaped per parameter.
+way, so saved residuals are always full-shaped per parameter. The flat exchange
+migrates the stores of a group's keys before it sends the group (a ``topology="auto"``
+run whose trial switches from the two-level to the flat exchange), so a flat group
+always finds its whole residual among the per-parameter ones.
 """
 
 import threading
@@ -263,7 +266,10 @@ class ResidualMemory:
 
     def migrate_overlapping(self, keys, keep=None):
         """Turn every shard store holding one of ``keys`` (except the store of ``keep``)
-        into per-parameter residuals: the mass stays, only its representation changes."""
+        into per-parameter residuals: the mass stays, only its representation changes.
+        (The flat exchange calls it for every group: without stores it returns at once.)"""
+        if not self._shard_of:  # only the hook's thread adds stores
+            return
         with self._lock:
             for owner in {self._shard_of[k] for k in keys if k in self._shard_of}:
                 if owner != keep:
