@@ -78,7 +78,11 @@ REFERENCE = bench.REFERENCE
 # omgs_hook variants: name -> (strategy, topology)
 OMGS_VARIANTS = {"topk": ("single", "flat"), "topk_hier": ("single", "hierarchical"),
                  "omgs": ("optimal", "flat"), "omgs_hier": ("optimal", "hierarchical")}
-HOOKS = ("allreduce", "powersgd") + tuple(OMGS_VARIANTS)
+# what a user gets: register() with only density and profile (topology "auto": the
+# measured selection also times flat plans on a two-level cluster)
+DEFAULT = "default"
+HOOKED = tuple(OMGS_VARIANTS) + (DEFAULT,)
+HOOKS = ("allreduce", "powersgd") + HOOKED
 VARIANTS = (REFERENCE,) + HOOKS
 # hierarchical variant -> its flat counterpart
 PAIRS = {"omgs_hier": "omgs", "topk_hier": "topk"}
@@ -90,6 +94,7 @@ LABELS = {
     "topk_hier": "TopK-SGD, two-level",
     "omgs": "OMGS-SGD, flat",
     "omgs_hier": "OMGS-SGD, two-level",
+    "default": "omgs_hook default (auto)",
 }
 RESULT_PREFIX = "hier_"
 RESULT_KIND = "omgs-bench-hierarchical"
@@ -183,11 +188,26 @@ def make_variants(config, initial_state, profile_path):
     import omgs_hook
 
     names = config["variants"]
-    base = [n for n in names if n not in OMGS_VARIANTS]
+    base = [n for n in names if n not in HOOKED]
     variants = bench.make_variants(dict(config, variants=base), initial_state, profile_path)
     ddp_options = bench._ddp_options(DistributedDataParallel)
     for name in names:
-        if name not in OMGS_VARIANTS:
+        if name not in HOOKED:
+            continue
+        if name == DEFAULT:
+            module = bench.build_model(config)
+            module.load_state_dict(initial_state)
+            optimizer = torch.optim.SGD(module.parameters(), lr=config["lr"], momentum=0.9,
+                                        weight_decay=5e-4)
+            net = DistributedDataParallel(module, bucket_cap_mb=config["sparse_bucket_cap_mb"],
+                                          **ddp_options)
+            state = omgs_hook.register(net, density=config["density"], profile=profile_path,
+                                       log_every=0)
+            variant = bench.Variant(name, module, net, optimizer, state,
+                                    config["sparse_bucket_cap_mb"])
+            variant.hook_options = {"density": config["density"], "select": state.select,
+                                    "topology": "auto", "allow_dense": state.allow_dense}
+            variants.append(variant)
             continue
         strategy, topology = OMGS_VARIANTS[name]
         module = bench.build_model(config)
@@ -232,7 +252,7 @@ def run_step(variant, batch):
     variant.steps_run += 1
     topk = hook = 0.0
     inter = intra = -1.0
-    if variant.name in OMGS_VARIANTS:
+    if variant.name in HOOKED:
         last = variant.hook_state.stats()["last"] or {}
         topk, hook = last.get("topk_s", 0.0), last.get("hook_s", 0.0)
         inter = float(last.get("inter_node_bytes", -1))
@@ -296,7 +316,7 @@ def variant_report(variant, block_wire, config):
         # per node: bytes put on its link per step, over all timed blocks
         report["wire_bytes_per_step_per_node"] = block_wire
     state = variant.hook_state
-    if variant.name in OMGS_VARIANTS:
+    if variant.name in HOOKED:
         stats = state.stats()
         plan = stats.get("plan") or {}
         last = stats.get("last") or {}
@@ -319,6 +339,9 @@ def variant_report(variant, block_wire, config):
             "bytes_sent_per_step": last.get("bytes_sent"),
             "achieved_density": last.get("density"),
             "two_level_model": _two_level_model(state),
+            "exchange": (stats.get("plan") or {}).get("exchange"),
+            "selection": _json(stats.get("selection")),
+            "plan_history": _json(stats.get("plan_history")),
         }
     elif variant.name == "allreduce":
         numel = sum(p.numel() for p in variant.module.parameters())
@@ -366,11 +389,17 @@ def run_worker(config_path):
         torch.manual_seed(config["seed"] + 1 + rank)
         warmup = {}
         for variant in variants:
-            base = "topk" if variant.name in OMGS_VARIANTS else variant.name
-            warmup[variant.name] = bench.warmup_steps_for(base, config["warmup_steps"])
+            base = "topk" if variant.name in HOOKED else variant.name
+            hook_warmup = (variant.hook_state.warmup_steps if variant.name == DEFAULT
+                           else config["warmup_steps"])
+            warmup[variant.name] = bench.warmup_steps_for(base, hook_warmup)
             for step in range(warmup[variant.name]):
                 run_step(variant, batches[step % len(batches)])
-            if variant.name in OMGS_VARIANTS:
+            if variant.name == DEFAULT:  # until its trial is over and the plan settled
+                warmup[variant.name] += bench.settle_default(
+                    variant, batches, config.get("default_max_settle_steps", 80),
+                    bench.DEFAULT_STABLE_STEPS)
+            if variant.name in HOOKED:
                 if variant.hook_state.stats()["plan"] is None:
                     raise RuntimeError(f"{variant.name}: no plan after warm-up")
                 variant.plan_at_timing_start = bench.plan_signature(variant.hook_state)
@@ -478,6 +507,12 @@ def analyse(result):
             compute_v["median_s"]
     if backward:
         out["compute_forward_backward_s"] = backward
+    if median(DEFAULT) is not None:
+        hook = variants[DEFAULT].get("hook") or {}
+        out["default"] = {"exchange": hook.get("exchange"),
+                          **{f"vs_{name}": median(name) / median(DEFAULT)
+                             for name in ("omgs", "omgs_hier", "topk", "topk_hier")
+                             if median(name) is not None}}
     return out
 
 
@@ -558,11 +593,28 @@ def render(results):
                 f"{ms(v['p75_s'])}] | "
                 f"{ms(min(rounds)) + '-' + ms(max(rounds)) if rounds else '-'} | "
                 f"{ms(v.get('forward_backward_median_s'))} | "
-                f"{ms(v.get('topk_median_s')) if name in OMGS_VARIANTS else '-'} | "
-                f"{ms(v.get('hook_median_s')) if name in OMGS_VARIANTS else '-'} | "
+                f"{ms(v.get('topk_median_s')) if name in HOOKED else '-'} | "
+                f"{ms(v.get('hook_median_s')) if name in HOOKED else '-'} | "
                 f"{ms(hook.get('predicted_iteration_s'))} | {groups} | "
                 f"{'-' if inter is None else f'{inter:,.0f}'} | "
                 f"{'-' if intra is None else f'{intra:,.0f}'} | {wire_text} | {vs} |")
+        out.append("")
+    defaults = [r for r in results if r["analysis"].get("default")]
+    if defaults:
+        out.append("### The default (topology \"auto\": the trial times flat and two-level "
+                   "plans)\n")
+        out.append("Speed-up of the default over each fixed variant (ratio of medians; above "
+                   "1: the default is faster) and the exchange its trial chose.\n")
+        out.append("| configuration | exchange chosen | vs OMGS flat | vs OMGS two-level | "
+                   "vs TopK flat | vs TopK two-level |")
+        out.append("|---|---|---|---|---|---|")
+        for r in defaults:
+            d = r["analysis"]["default"]
+            name = (f"{r['model']} {r['nodes']}x{r['ranks_per_node']} {r['rate']} "
+                    f"d={r['density']:g}" + (f" ({r['suffix']})" if r.get("suffix") else ""))
+            out.append(f"| {name} | {d.get('exchange') or '-'} | {x(d.get('vs_omgs'))} | "
+                       f"{x(d.get('vs_omgs_hier'))} | {x(d.get('vs_topk'))} | "
+                       f"{x(d.get('vs_topk_hier'))} |")
         out.append("")
     out.append("### Targets (issue 12)\n")
     out.append(f"Per two-level variant against its flat counterpart: inter-node bytes cut by "

@@ -87,6 +87,21 @@ def test_render_tables_and_doc_section(tmp_path):
     assert "| OMGS-SGD, two-level |" in body
 
 
+def test_the_default_is_compared_with_every_fixed_variant():
+    result = _result()
+    result["variants"]["default"] = _variant(0.56, inter=43_200, intra=21_600)
+    result["variants"]["default"]["hook"]["exchange"] = "flat"
+    a = bench_h.analyse(result)
+    assert a["default"]["exchange"] == "flat"
+    assert a["default"]["vs_omgs"] == pytest.approx(0.7 / 0.56)
+    assert a["default"]["vs_omgs_hier"] == pytest.approx(0.5 / 0.56)
+    text = bench_h.render([dict(result, analysis=a)])
+    assert "| omgs_hook default (auto) |" in text
+    assert "| resnet20 2x2 5 Mbit/s d=0.01 | flat | 1.25x | 0.89x |" in text
+    # without a default variant there is no such table
+    assert "default" not in bench_h.analyse(_result())
+
+
 def test_results_are_named_by_rate_and_not_read_by_bench_cluster(tmp_path):
     assert bench_h.config_tag("resnet20", 2, 2, 2_500_000, 0.01) == \
         "resnet20_n2x2_2.5mbit_d0.01"
