@@ -771,9 +771,11 @@ class OMGSState:
             for key, param in zip(keys, params):
                 self.memory.note_shape(key, param.shape)
             future = exchange.add_bucket(bucket, keys, params)
+            # the two-level stages waited for here are the groups' own work (their
+            # reduce-scatter is on the model's compute stream), not this bucket's backward
+            self.meter.sends_started()
             exchange.advance()  # two-level groups in flight: one stage on
             last = bucket.is_last()
-            self.meter.sends_started()
             if self._in_dense_mode():
                 exchange.send_group(keys, dense=True)
             else:
