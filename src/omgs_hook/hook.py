@@ -353,9 +353,9 @@ class OMGSState:
             as the timeline counts them (from issue, or the previous collective's end, to
             the end of the write-back). The profile times collectives alone; in training
             they share the cores (gloo) with backward, and the network may have changed.
-            The factor is each rank's measured over modelled time, the least over ranks
-            (a rank that waits for a straggler measures the wait too); identical on every
-            rank. Flat exchange on CPU only (on CUDA the host clock sees launches, not the
+            Per rank the factor is the median over those steps of each step's measured
+            over modelled time, then the least over ranks (a rank that waits for a
+            straggler measures the wait too); identical on every rank. Flat exchange on CPU only (on CUDA the host clock sees launches, not the
             GPU). ``stats()["planned_with"]["comm_scale"]``. Default True.
         nonfinite (str): what to do when any rank's gradient holds NaN/Inf: ``"skip"``
             (default) - every rank gets a non-finite gradient for the affected group (so
