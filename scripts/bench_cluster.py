@@ -668,21 +668,40 @@ def _selection_in_progress(stats):
     return False
 
 
-def settle_default(variant, batches, max_steps, stable_steps):
+def warm_up(variant, batches, config, step=None):
+    """The untimed warm-up of one variant (:func:`warmup_steps_for`, then, for the library
+    default, :func:`settle_default`); returns the steps run. ``step``: the worker's
+    one-step function (default :func:`run_step`). Collective."""
+    step = step or run_step
+    hook_warmup = config["warmup_steps"]
+    if variant.name == "default":
+        hook_warmup = variant.hook_state.warmup_steps  # the library's default
+    steps = warmup_steps_for(variant.name, hook_warmup)
+    for i in range(steps):
+        step(variant, batches[i % len(batches)])
+    if variant.name == "default":  # until its trial is over and its plan settled
+        steps += settle_default(variant, batches,
+                                config.get("default_max_settle_steps", DEFAULT_MAX_SETTLE_STEPS),
+                                DEFAULT_STABLE_STEPS, step)
+    return steps
+
+
+def settle_default(variant, batches, max_steps, stable_steps, step=None):
     """Run the default variant until its plan has settled; return the extra steps run.
 
     Settled: on every rank, no selection trial in progress and the same plan for the
     last ``stable_steps`` steps. Collective (one small all-reduce per step), so all
-    ranks run the same number of steps.
+    ranks run the same number of steps. ``step``: as in :func:`warm_up`.
     """
     import torch
     import torch.distributed as dist
 
+    step = step or run_step
     extra = 0
     stable = 0
     previous = plan_signature(variant.hook_state)
     while extra < max_steps:
-        run_step(variant, batches[variant.steps_run % len(batches)])
+        step(variant, batches[variant.steps_run % len(batches)])
         extra += 1
         current = plan_signature(variant.hook_state)
         stable = stable + 1 if current == previous and current is not None else 0
@@ -739,15 +758,7 @@ def run_worker(config_path):
 
         warmup = {}
         for variant in variants:  # warm-up is per variant; it is never timed
-            hook_warmup = config["warmup_steps"]
-            if variant.name == "default":
-                hook_warmup = variant.hook_state.warmup_steps  # the library's default
-            warmup[variant.name] = warmup_steps_for(variant.name, hook_warmup)
-            for step in range(warmup[variant.name]):
-                run_step(variant, batches[step % len(batches)])
-            if variant.name == "default":
-                warmup[variant.name] += settle_default(
-                    variant, batches, config["default_max_settle_steps"], DEFAULT_STABLE_STEPS)
+            warmup[variant.name] = warm_up(variant, batches, config)
             if variant.name in OMGS_VARIANTS:
                 if variant.hook_state.stats()["plan"] is None:
                     raise RuntimeError(f"{variant.name}: no plan after {warmup[variant.name]} "

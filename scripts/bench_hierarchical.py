@@ -389,16 +389,7 @@ def run_worker(config_path):
         torch.manual_seed(config["seed"] + 1 + rank)
         warmup = {}
         for variant in variants:
-            base = "topk" if variant.name in HOOKED else variant.name
-            hook_warmup = (variant.hook_state.warmup_steps if variant.name == DEFAULT
-                           else config["warmup_steps"])
-            warmup[variant.name] = bench.warmup_steps_for(base, hook_warmup)
-            for step in range(warmup[variant.name]):
-                run_step(variant, batches[step % len(batches)])
-            if variant.name == DEFAULT:  # until its trial is over and the plan settled
-                warmup[variant.name] += bench.settle_default(
-                    variant, batches, config.get("default_max_settle_steps", 80),
-                    bench.DEFAULT_STABLE_STEPS)
+            warmup[variant.name] = bench.warm_up(variant, batches, config, run_step)
             if variant.name in HOOKED:
                 if variant.hook_state.stats()["plan"] is None:
                     raise RuntimeError(f"{variant.name}: no plan after warm-up")
