@@ -16,6 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import omgs_hook
+from omgs_hook import plan_selection
 from ddp_harness import run_ranks
 from test_hook_ddp import DENSITY, Net, batch, loss_fn, train_steps
 
@@ -56,6 +57,7 @@ def build(rank, fake_clock=True, **options):
     state = omgs_hook.register(ddp, density=DENSITY, **options)
     if fake_clock:
         state._clock = FakeClock(state, rank)
+        state._load_probe = lambda: 0.01  # no load spell: the fake clock decides
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, ddp, state, opt
 
@@ -126,6 +128,69 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
     before = sum((c["measured_s"] - c["predicted_s"]) ** 2 for c in report["candidates"])
     after = sum((c["measured_s"] - c["refit_s"]) ** 2 for c in report["candidates"])
     assert after < before
+
+
+class SpellClock(FakeClock):
+    """FakeClock with a load spell over the first turn of the trial's would-be winner:
+    its first 3 steps (the settle step and both counted screen steps) take 50 ms longer
+    on every rank, and the load probe (10 ms quiet) reads twice as long there. The real
+    forward times the hook offered as probes are kept in ``real``."""
+
+    def __init__(self, state, rank):
+        super().__init__(state, rank)
+        self.victim, self.hits, self.in_spell, self.real = None, 0, False, []
+
+    def __call__(self):
+        trial = self.state._trial
+        if trial is not None and self.victim is None:
+            self.victim = expected_winner(trial.report(), 2)[0]
+        plan = self.state.plan
+        self.in_spell = (trial is not None and plan is not None
+                         and plan.strategy == self.victim and self.hits < 3)
+        self.hits += self.in_spell
+        self.now += self.rate * (fake_cost(self.rank, plan) + (0.05 if self.in_spell else 0.0))
+        return self.now
+
+    def probe(self):
+        self.real.append(self.state.meter.forward_in_progress_s())
+        return 0.02 if self.in_spell else 0.01
+
+
+def spell_worker(rank, world_size, steps, spell_factor):
+    from omgs_hook import plan_selection
+    plan_selection.SPELL_FACTOR = spell_factor  # (the Trial's default, read at its creation)
+    model, ddp, state, opt = build(rank)
+    clock = state._clock = SpellClock(state, rank)
+    state._load_probe = clock.probe
+    train_steps(ddp, opt, 0, steps, rank)
+    stats = state.stats()
+    del ddp, state
+    gc.collect()
+    return {"stats": stats, "victim": clock.victim, "hits": clock.hits, "real": clock.real}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_load_spell_in_the_trial_is_seen_by_the_probe_and_retaken(guard):
+    results = run_ranks("test_hook_selection", "spell_worker", world_size=2, steps=54,
+                        spell_factor=plan_selection.SPELL_FACTOR if guard else 1e9)
+    stats = [r["stats"] for r in results]
+    report = stats[0]["selection"]["last_trial"]
+    assert report is not None and report == stats[1]["selection"]["last_trial"]
+    victim = results[0]["victim"]
+    assert victim is not None and results[0]["hits"] == 3
+    disturbed = {c["name"]: c["disturbed"] for c in report["candidates"]}
+    if guard:
+        # the spell's two counted steps were seen, the candidate ran again, and it won
+        assert report["retaken"] == [victim] and disturbed[victim] == 2
+        assert sum(disturbed.values()) == 2
+        assert report["winner"] == victim == stats[0]["plan"]["strategy"]
+    else:  # the same spell without the guard: the victim loses its screen round
+        assert report["retaken"] == [] and sum(disturbed.values()) == 0
+        assert report["winner"] != victim
+    # the hook's real probe on CPU: this step's forward, measured at bucket 0
+    for r in results:
+        assert r["real"] and all(x is not None and 0 < x < 5 for x in r["real"]), r["real"]
 
 
 @pytest.mark.timeout(180)

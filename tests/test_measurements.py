@@ -154,3 +154,22 @@ def test_timelines_carry_step_tail_forward_and_backward(monkeypatch):
     restored = BackwardMeter(window=4)
     restored.load_state_dict(meter.state_dict())
     assert restored.timelines() == meter.timelines()
+
+
+def test_forward_in_progress_is_the_current_steps_forward_on_the_host_clock_only():
+    meter = BackwardMeter(window=4)
+    clock = meter.clock = FakeClock()
+    assert meter.forward_in_progress_s() is None  # no forward yet
+    clock.now = 2.0
+    meter.forward_started()
+    assert meter.forward_in_progress_s() is None  # still running
+    clock.now = 2.75
+    meter.forward_finished()
+    meter.bucket_arrived(0)
+    assert meter.forward_in_progress_s() == pytest.approx(0.75)  # read at bucket 0
+    meter.end_step((("a",),), step=0)
+    assert meter.forward_in_progress_s() is None  # the step is closed
+    # a CUDA forward's host time is launch time: no probe there
+    meter.clock = object.__new__(measurements.CudaClock)
+    meter._fwd_start, meter._fwd_end = 0.0, 1.0
+    assert meter.forward_in_progress_s() is None

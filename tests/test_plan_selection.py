@@ -10,7 +10,8 @@ import pytest
 from omgs_hook import planner
 from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit
 from omgs_hook.plan_selection import (
-    CONFIRM_STEPS, MAX_CANDIDATES, MAX_CONFIRM, MAX_REMEASURE, MEASURE_STEPS, SETTLE_STEPS,
+    CONFIRM_STEPS, MAX_CANDIDATES, MAX_CONFIRM, MAX_REMEASURE, MAX_RETAKES, MEASURE_STEPS,
+    SETTLE_STEPS, SPELL_FACTOR,
     Candidate, Correction, Trial, dedupe, fit_correction, model_candidates, neighbour_plans,
     plan_features, summary_of, trial_steps_bound,
 )
@@ -31,9 +32,10 @@ def cand(name, groups, dense=None, predicted=1.0):
     return Candidate(name, groups, tuple(dense or [False] * len(groups)), predicted)
 
 
-def run_round(trial, step_times, first_step=None):
-    """Drive one round as the hook does: times[rank][candidate index] -> seconds per step.
-    Returns the step after the round (where finish_round was called)."""
+def run_round(trial, step_times, first_step=None, probe=None, extra=None):
+    """Drive one round as the hook does: times[rank][candidate index] -> seconds per step,
+    plus ``extra(rank, step)`` seconds when given, with load probes ``probe(rank, step)``
+    (None: no probe). Returns the step after the round (where finish_round was called)."""
     step = trial.round_start if first_step is None else first_step
     ranks = len(step_times)
     rows = [None] * ranks
@@ -48,8 +50,10 @@ def run_round(trial, step_times, first_step=None):
     start = trial.round_start
     for r in range(ranks):
         trial.local = trial._empty_local()
+        trial.local_probe = trial._empty_local()
         for s in range(start, step):
-            trial.record(s, step_times[r][trial.candidate_at(s)])
+            seconds = step_times[r][trial.candidate_at(s)] + (extra(r, s) if extra else 0.0)
+            trial.record(s, seconds, probe(r, s) if probe else None)
         rows[r] = trial.local_row()
     return step, rows
 
@@ -141,28 +145,39 @@ def test_schedule_settles_then_measures_each_candidate_in_order():
     assert trial.round_end == 22 and not trial.round_complete(21) and trial.round_complete(22)
     # only counted steps are kept; settle steps and steps outside the round are ignored
     for s in range(5, 30):
-        trial.record(s, float(s))
-    assert trial.local_row() == [11.0, 12.0, 13.0, 15.0, 16.0, 17.0, 19.0, 20.0, 21.0]
+        trial.record(s, float(s), probe=s / 100 if s % 2 else None)
+    row = trial.local_row()
+    assert row[:9] == [11.0, 12.0, 13.0, 15.0, 16.0, 17.0, 19.0, 20.0, 21.0]
+    # then the same steps' load probes (NaN where the hook had none)
+    assert row[9:] == pytest.approx([0.11, math.nan, 0.13, 0.15, math.nan, 0.17, 0.19,
+                                     math.nan, 0.21], nan_ok=True)
 
 
 def test_trial_budget_bound():
     trial = Trial([cand(str(i), [[0]] * 1, [bool(i % 2)]) for i in range(MAX_CANDIDATES)], 0)
     assert trial.max_steps() == (MAX_CANDIDATES * (SETTLE_STEPS + MEASURE_STEPS)
-                                 + (MAX_CONFIRM + MAX_REMEASURE) * (SETTLE_STEPS + CONFIRM_STEPS))
-    assert trial.max_steps() == 41  # the documented bound: 4.1% of a 1000-step run
+                                 + (MAX_CONFIRM + MAX_REMEASURE + MAX_RETAKES)
+                                 * (SETTLE_STEPS + CONFIRM_STEPS))
+    assert trial.max_steps() == 49  # the documented bound: 4.9% of a 1000-step run
     assert trial_steps_bound(1) == SETTLE_STEPS + MEASURE_STEPS  # one candidate: no more rounds
-    # the bound holds for every path through the rounds
+    # the bound holds for every path through the rounds, load spells (retakes) included
     rng = random.Random(5)
-    for _ in range(200):
+    retaken = 0
+    for _ in range(300):
         n = rng.randint(1, MAX_CANDIDATES)
         trial = Trial([cand(str(i), [[0]] * (i + 1)) for i in range(n)], 0)
+        spells = {s for s in range(60) if rng.random() < 0.3}
         step, ran = 0, 0
         while not trial.done:
             times = [[rng.choice([1.0, 1.01, 1.1, 1.5]) for _ in range(n)]]
-            step, rows = run_round(trial, times, first_step=step)
+            step, rows = run_round(trial, times, first_step=step,
+                                   probe=lambda r, s: 2.0 if s in spells else 1.0)
             ran = step
             trial.finish_round(rows, step)
+        retaken += bool(trial.report()["retaken"])
+        assert trial.retakes_used <= MAX_RETAKES
         assert ran <= trial.max_steps() == trial_steps_bound(n)
+    assert retaken > 50  # the retake paths were taken
 
 
 def test_bad_trial_arguments():
@@ -175,8 +190,14 @@ def test_bad_trial_arguments():
     with pytest.raises(ValueError, match="windows"):
         Trial([cand("a", [[0]])], 0, confirm_window=-0.1)
     trial = Trial([cand("a", [[0]]), cand("b", [[0, 1]])], 0, measure=3)
-    with pytest.raises(ValueError, match="rows of 6"):
+    with pytest.raises(ValueError, match="rows of 12"):
         trial.finish_round([[1.0] * 5], 8)
+    with pytest.raises(ValueError, match="rows of 12"):  # ranks must agree on the width
+        trial.finish_round([[1.0] * 6, [1.0] * 12], 8)
+    with pytest.raises(ValueError, match="spell_factor"):
+        Trial([cand("a", [[0]])], 0, spell_factor=1.0)
+    with pytest.raises(ValueError, match="max_retakes"):
+        Trial([cand("a", [[0]])], 0, max_retakes=-1)
 
 
 # ----------------------------------------------------------------------------- decision
@@ -324,6 +345,114 @@ def test_missing_samples_are_ignored():
     # no rank measured candidate 0 at all: it cannot win
     assert trial.finish_round([[nan, nan, 3.0, 3.0]], 8) == 1
     assert trial.report()["candidates"][0]["measured_s"] is None
+
+
+# --------------------------------------------------------------------------- load spells
+def spell_over(steps, factor=1.8):
+    """(probe, extra): a load spell over ``steps`` slows those steps' compute by
+    ``factor`` on every rank; the forward (probe, 10 ms quiet) shows it."""
+    def probe(rank, step):
+        return 0.010 * (factor if step in steps else 1.0)
+
+    def extra(rank, step):
+        return 0.050 * (factor - 1.0) if step in steps else 0.0
+    return probe, extra
+
+
+def run_trial(trial, times, probe=None, extra=None):
+    step = trial.round_start
+    while not trial.done:
+        step, rows = run_round(trial, times, first_step=step, probe=probe, extra=extra)
+        trial.finish_round(rows, step)
+    return trial.report()
+
+
+def test_a_load_spell_over_the_best_candidates_screen_turn_is_retaken():
+    # four candidates; "b" (index 1) is the fastest by 10%, but a 1.8x spell covers
+    # its whole screen turn (steps 3-5, 3 the settle step) and c's first counted step (7)
+    times = [[0.100, 0.090, 0.105, 0.130]]
+    probe, extra = spell_over({3, 4, 5, 7})
+    cands = [cand(n, [[0]] * (i + 1)) for i, n in enumerate("abcd")]
+    blind = run_trial(Trial(cands, 0), times, extra=extra)  # no probes: the spell decides
+    assert blind["winner"] != "b" and not blind["retaken"]
+    seen = run_trial(Trial(cands, 0), times, probe=probe, extra=extra)
+    assert seen["winner"] == "b"
+    assert seen["retaken"] == ["b"]  # all of b's screen samples were disturbed
+    by_name = {c["name"]: c for c in seen["candidates"]}
+    # c kept its undisturbed screen sample, b its retake's: both at their quiet times
+    assert by_name["b"]["disturbed"] == 2 and by_name["c"]["disturbed"] == 1
+    assert by_name["b"]["measured_s"] == pytest.approx(0.090)
+    assert "*b 1000.0/90.0 ~2, c 1000.0/105.0 ~1" in summary_of(seen) and summary_of(seen).endswith("load spell: b")
+    assert by_name["c"]["measured_s"] == pytest.approx(0.105)
+    # with the guard off (a factor no spell reaches) the probes change nothing
+    off = run_trial(Trial(cands, 0, spell_factor=1e9), times, probe=probe, extra=extra)
+    assert off["winner"] == blind["winner"] and off["candidates"] == blind["candidates"]
+
+
+def test_each_rank_is_judged_against_its_own_forward_time():
+    # rank 1's forward is always 3x rank 0's (a slower host): not a spell. A spell on
+    # rank 1 alone slows the collective step, and is seen there.
+    times = [[0.100, 0.090, 0.120], [0.100, 0.090, 0.120]]
+    spell_steps = {4}
+
+    def probe(rank, step):
+        return 0.010 * (3.0 if rank else 1.0) * (2.0 if rank and step in spell_steps else 1.0)
+
+    def extra(rank, step):
+        return 0.1 if rank and step in spell_steps else 0.0
+    trial = Trial(three(), 0)
+    report = run_trial(trial, times, probe=probe, extra=extra)
+    assert report["winner"] == "sparse"
+    assert [c["disturbed"] for c in report["candidates"]] == [0, 1, 0]
+    assert not report["retaken"]  # "sparse" kept its other screen sample
+
+
+def test_retakes_are_bounded_and_a_disturbed_retake_keeps_the_lower_median():
+    # every step of the trial is in the spell but the very first ones: the probes'
+    # median follows the spell, so a long enough spell reads as the normal level - and
+    # the trial still ends within its bound
+    times = [[0.100, 0.090, 0.105, 0.130, 0.095]]
+    cands = [cand(n, [[0]] * (i + 1)) for i, n in enumerate("abcde")]
+    probe, extra = spell_over(set(range(3, 12)), factor=1.5)
+    trial = Trial(cands, 0, max_retakes=1)
+    report = run_trial(trial, times, probe=probe, extra=extra)
+    assert trial.retakes_used <= 1 and trial.decided_at <= trial.max_steps()
+    # retake fallback: both sets disturbed, the lower median stays
+    t = Trial(three()[:2], 0, measure=2, confirm=2, confirm_window=0.0, max_retakes=1)
+    quiet = [0.01, 0.01, 0.01, 0.01]
+    assert t.finish_round([[1.0, 1.0, 2.0, 2.0] + quiet[:2] + [0.02, 0.02]], 6) is None
+    assert t.report()["retaken"] == ["sparse"] and t.round_kinds[-1] == "retake"
+    assert t.finish_round([[2.5, 2.5, 0.03, 0.03]], 9) == 0  # disturbed again, slower
+    assert t.round_samples[0][1] == [2.0, 2.0]  # the lower of the two kept
+    assert report["winner"] in "abcde"
+
+
+def test_state_dict_round_trip_during_a_retake_continues_identically():
+    times = [[0.100, 0.090, 0.105]]
+    probe, extra = spell_over({4, 5})
+    reference = Trial(three(), 0)
+    step, rows = run_round(reference, times, probe=probe, extra=extra)
+    assert reference.finish_round(rows, step) is None and reference.round_kinds[-1] == "retake"
+    saved = reference.state_dict()
+    restored = Trial.from_state_dict(saved)
+    assert restored.state_dict() == saved
+    assert run_trial(restored, times, probe=probe) == run_trial(reference, times, probe=probe)
+    # a state saved before load probes (no probe fields) still loads and finishes
+    old = {k: v for k, v in Trial(three(), 0).state_dict().items()
+           if k not in ("spell_factor", "max_retakes", "retakes_used", "disturbed", "probes",
+                        "local_probe")}
+    assert run_trial(Trial.from_state_dict(old), times)["winner"] == "sparse"
+
+
+def test_rows_without_probes_are_the_plain_trial():
+    times = [[1.0, 1.01, 1.5], [1.2, 1.19, 1.4]]
+    a, b = Trial(three(), 0), Trial(three(), 0)
+    step = 0
+    while not a.done:
+        step, rows = run_round(a, times, first_step=step)
+        half = [r[:len(r) // 2] for r in rows]  # a caller that sends times only
+        assert a.finish_round(rows, step) == b.finish_round(half, step)
+    assert a.report() == b.report()
 
 
 def test_state_dict_round_trip_mid_trial_continues_identically():

@@ -321,13 +321,17 @@ class OMGSState:
             candidate runs ``1`` settle step (not counted) and ``2`` counted steps;
             those within 30% of the best (at most 3) run again in reverse order with
             ``3`` counted steps; when the best two are still closer than the samples'
-            noise (at least 2%), they run once more. A full trial (the first plan, a
-            bucket-layout change) has at most 7 candidates: at most
-            ``7 * 3 + (3 + 2) * 4 = 41`` steps, 4.1% of a 1000-step run, typically
-            26-41. A later trial (a periodic re-plan
+            noise (at least 2%), they run once more. A step that a load spell slowed
+            (on some rank the forward pass after it took over 1.3x that rank's median
+            forward of the trial: on CPU; on CUDA no step is judged) is left out of its
+            candidate's median; a candidate whose every sample in a round was slowed
+            runs its turn again right after (at most 2 such retakes per trial). A full
+            trial (the first plan, a bucket-layout change) has at most 7 candidates: at
+            most ``7 * 3 + (3 + 2 + 2) * 4 = 49`` steps, 4.9% of a 1000-step run,
+            typically 26-41. A later trial (a periodic re-plan
             whose model plan differs from the one the last trial started from, e.g.
             after an online refit) compares the kept plan with the new model plan only
-            (at most 22 steps) and starts only while all later trials together stay
+            (at most 30 steps) and starts only while all later trials together stay
             within 3% of the steps run; otherwise the kept plan stays. Trial steps are
             ordinary training steps (error feedback is per parameter, so switching
             plans between steps changes no result); what a trial costs is the slower
@@ -525,6 +529,8 @@ class OMGSState:
         # measured selection: the running trial, its GroupPlans and layout, the last
         # finished trial's report, the model plan the last trial started from
         self._clock = time.perf_counter  # bucket-0 arrivals (tests inject a fake per rank)
+        # the trial's load probe of the step in progress (tests inject a fake with the clock)
+        self._load_probe = self.meter.forward_in_progress_s
         self._bucket0 = None  # (step, clock) of the last bucket-0 arrival
         self._last_step_s = None
         self._trial = None
@@ -810,7 +816,9 @@ class OMGSState:
             self._last_step_s = now - previous[1]
             self._step_times.append((previous[0], self._last_step_s))
             if self._trial is not None:
-                self._trial.record(previous[0], self._last_step_s)
+                # the load probe: this step's forward, run after the previous step's
+                # exchange finished (compute only, whatever the plan)
+                self._trial.record(previous[0], self._last_step_s, self._load_probe())
         if self._plan_job is not None and self.step >= int(self._plan_job["apply_at_step"]):
             started = time.perf_counter()
             # Switch once every rank's planner has finished, decided from gathered flags

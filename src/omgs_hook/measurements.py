@@ -125,6 +125,14 @@ class BackwardMeter:
     def forward_finished(self):
         self._fwd_end = self.clock.mark()
 
+    def forward_in_progress_s(self):
+        """Seconds of the current step's forward pass once it has finished (during its
+        backward), on the host clock only (None otherwise: a CUDA event is not resolved
+        yet, and the host time of a CUDA forward is launch time)."""
+        if isinstance(self.clock, CudaClock) or self._fwd_start is None or self._fwd_end is None:
+            return None
+        return max(0.0, self.clock.seconds(self._fwd_start, self._fwd_end))
+
     def bucket_arrived(self, index):
         if index == 0:
             self._arrive, self._send_start, self._send_end = [], [], []

@@ -59,12 +59,20 @@ RETRIAL_SHARE = 0.03
 #: candidates the model predicts slower than this factor times its best are not tried
 #: (the model's errors measured so far are within +-40%)
 PRUNE_FACTOR = 1.5
+#: a counted step is *disturbed* when, on some rank, the load probe (the forward pass
+#: that follows it: compute only, the same for every plan) took more than this factor
+#: times that rank's median probe of the trial: something else took the cores
+SPELL_FACTOR = 1.3
+#: at most this many candidate turns per trial are run again because every sample of
+#: the candidate in a round was disturbed (each retake: ``settle + confirm`` steps)
+MAX_RETAKES = 2
 
 
 def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS,
                       confirm=CONFIRM_STEPS, max_confirm=MAX_CONFIRM,
-                      max_remeasure=MAX_REMEASURE):
-    """Most steps a trial of ``num_candidates`` can run (all three rounds)."""
+                      max_remeasure=MAX_REMEASURE, max_retakes=MAX_RETAKES):
+    """Most steps a trial of ``num_candidates`` can run (all three rounds, and the
+    retakes of disturbed candidates)."""
     n = int(num_candidates)
     steps = n * (settle + measure)
     if n > 1:
@@ -72,6 +80,8 @@ def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS
         steps += contenders * (settle + confirm)
         if contenders > 1:
             steps += min(max_remeasure, contenders) * (settle + confirm)
+        # (a single candidate wins whatever its samples read: never retaken)
+        steps += int(max_retakes) * (settle + confirm)
     return steps
 
 
@@ -241,7 +251,18 @@ def _relative_spread(values):
     return statistics.median(abs(v - centre) for v in values) / centre
 
 
-SCREEN, CONFIRM, TIEBREAK = "screen", "confirm", "tiebreak"
+SCREEN, CONFIRM, TIEBREAK, RETAKE = "screen", "confirm", "tiebreak", "retake"
+
+
+def _step_loads(probe_rows, reference):
+    """Per counted step, the largest over ranks of probe / that rank's reference (NaN
+    where no rank has both)."""
+    loads = []
+    for j in range(len(probe_rows[0]) if probe_rows else 0):
+        ratios = [row[j] / ref for row, ref in zip(probe_rows, reference)
+                  if not math.isnan(row[j]) and ref is not None and ref > 0]
+        loads.append(max(ratios) if ratios else math.nan)
+    return loads
 
 
 class Trial:
@@ -268,10 +289,24 @@ class Trial:
     same rounds, and a drift that favours late positions in one round favours early
     ones in the next.
 
-    The hook reports this rank's seconds per step (:meth:`record`); when a round is
-    complete (:meth:`round_complete`) it all-gathers :meth:`local_row` and calls
-    :meth:`finish_round` with every rank's row. A step's time is the *slowest* rank's
-    (collectives wait for it). A missing sample (NaN: e.g. the first step after a
+    *Load spells.* A step that something else slowed down (another job on the cores, a
+    GC pause) says nothing about the plan. With each step the hook records a *load
+    probe*: the time of the forward pass that follows the step, which is compute only
+    and the same for every plan. A counted step is *disturbed* when on some rank its
+    probe exceeds ``spell_factor`` times that rank's median probe over the trial so far.
+    Disturbed samples are left out of a candidate's median while it has undisturbed
+    ones in the round; a candidate with none gets a *retake*: a round of its own right
+    after, ``confirm`` counted steps, whose samples then stand in for it in the round
+    (or, when the retake was disturbed too, whichever of the two sets has the lower
+    median: a spell only slows a step down). At most ``max_retakes`` candidate turns
+    per trial are retaken, so the budget stays bounded (:func:`trial_steps_bound`).
+    Without probes (NaN: e.g. on CUDA, where the host clock would time launches) no
+    step is disturbed and the trial is the plain three-round one.
+
+    The hook reports this rank's seconds per step and its probe (:meth:`record`); when a
+    round is complete (:meth:`round_complete`) it all-gathers :meth:`local_row` and
+    calls :meth:`finish_round` with every rank's row. A step's time is the *slowest*
+    rank's (collectives wait for it). A missing sample (NaN: e.g. the first step after a
     resume has no previous arrival) is ignored. All of it is a function of the gathered
     numbers only.
     """
@@ -280,7 +315,8 @@ class Trial:
                  settle: int = SETTLE_STEPS, measure: int = MEASURE_STEPS,
                  near_tie: float = NEAR_TIE, max_remeasure: int = MAX_REMEASURE,
                  confirm: int = CONFIRM_STEPS, confirm_window: float = CONFIRM_WINDOW,
-                 max_confirm: int = MAX_CONFIRM, noise_tie: float = NOISE_TIE):
+                 max_confirm: int = MAX_CONFIRM, noise_tie: float = NOISE_TIE,
+                 spell_factor: Optional[float] = None, max_retakes: int = MAX_RETAKES):
         if len(candidates) < 1:
             raise ValueError("a trial needs at least one candidate")
         if settle < 0 or measure < 1 or confirm < 1:
@@ -288,6 +324,10 @@ class Trial:
         if confirm_window < 0 or near_tie < 0 or noise_tie < 0 or max_confirm < 1 \
                 or max_remeasure < 1:
             raise ValueError("windows must be >= 0, max_confirm and max_remeasure >= 1")
+        if spell_factor is None:  # (read now: a test may set the module's value)
+            spell_factor = SPELL_FACTOR
+        if not spell_factor > 1.0 or max_retakes < 0:
+            raise ValueError("spell_factor must be > 1 and max_retakes >= 0")
         self.candidates = list(candidates)
         self.reason = str(reason)
         self.settle = int(settle)
@@ -298,6 +338,9 @@ class Trial:
         self.near_tie = float(near_tie)
         self.noise_tie = float(noise_tie)
         self.max_remeasure = int(max_remeasure)
+        self.spell_factor = float(spell_factor)
+        self.max_retakes = int(max_retakes)
+        self.retakes_used = 0
         self.start_step = int(start_step)
         self.rounds = [list(range(len(self.candidates)))]
         self.round_kinds = [SCREEN]
@@ -305,7 +348,10 @@ class Trial:
         self.samples = [[] for _ in self.candidates]  # slowest-rank seconds, per round order
         self.round_samples = []  # per finished round: {candidate: its samples there}
         self.noise = None
+        self.disturbed = [0 for _ in self.candidates]  # counted steps left out, per candidate
+        self.probes = []  # per rank: every gathered load probe of the trial's counted steps
         self.local = self._empty_local()
+        self.local_probe = self._empty_local()
         self.winner = None
         self.decided_at = None
 
@@ -331,7 +377,8 @@ class Trial:
     def max_steps(self):
         """Upper bound of the steps this trial runs (all rounds)."""
         return trial_steps_bound(len(self.candidates), self.settle, self.measure,
-                                 self.confirm, self.max_confirm, self.max_remeasure)
+                                 self.confirm, self.max_confirm, self.max_remeasure,
+                                 self.max_retakes)
 
     def _slot(self, step):
         """(position in the current round, counted index or None) of ``step``, or None."""
@@ -346,11 +393,13 @@ class Trial:
         slot = self._slot(step)
         return None if slot is None else self.rounds[-1][slot[0]]
 
-    def record(self, step, seconds):
-        """This rank's duration of ``step``; kept when it is a counted step of the round."""
+    def record(self, step, seconds, probe=None):
+        """This rank's duration of ``step`` and its load probe (seconds of the forward
+        pass after it; None: unknown); kept when it is a counted step of the round."""
         slot = self._slot(step)
         if slot is not None and slot[1] is not None:
             self.local[slot[0]][slot[1]] = float(seconds)
+            self.local_probe[slot[0]][slot[1]] = math.nan if probe is None else float(probe)
 
     def round_complete(self, step):
         """True at (the start of) ``step`` when the current round's steps are all over."""
@@ -360,8 +409,9 @@ class Trial:
         return [[math.nan] * self.counted for _ in self.rounds[-1]]
 
     def local_row(self) -> List[float]:
-        """This rank's counted seconds of the round, flat (NaN where missing)."""
-        return [x for row in self.local for x in row]
+        """This rank's counted seconds of the round, then their load probes, flat (NaN
+        where missing): ``2 * candidates * counted`` numbers, the same on every rank."""
+        return [x for row in self.local for x in row] + [x for row in self.local_probe for x in row]
 
     # -- decision ---------------------------------------------------------------------
     def measured_s(self, index) -> float:
@@ -377,6 +427,26 @@ class Trial:
         self.round_kinds.append(kind)
         self.round_start = int(step)
         self.local = self._empty_local()
+        self.local_probe = self._empty_local()
+
+    def _step_loads(self, probe_rows):
+        """The gathered probes of this round added to each rank's history; per counted
+        step the load (:func:`_step_loads`) against each rank's median probe."""
+        if len(self.probes) != len(probe_rows):
+            self.probes = [[] for _ in probe_rows]  # (a trial restored on another world)
+        reference = []
+        for history, row in zip(self.probes, probe_rows):
+            history.extend(row)
+            known = [x for x in history if not math.isnan(x)]
+            reference.append(statistics.median(known) if known else None)
+        return _step_loads(probe_rows, reference)
+
+    def _decided_round(self):
+        """(kind, members) of the last round that was not a retake."""
+        for kind, members in zip(reversed(self.round_kinds), reversed(self.rounds)):
+            if kind != RETAKE:
+                return kind, members
+        raise AssertionError("a trial starts with its screen round")
 
     def finish_round(self, rows, step):
         """Close the round with every rank's :meth:`local_row` (the same list on every rank)
@@ -385,19 +455,43 @@ class Trial:
         counted = self.counted
         width = len(self.rounds[-1]) * counted
         rows = [list(map(float, r)) for r in rows]
-        if not rows or any(len(r) != width for r in rows):
-            raise ValueError(f"expected rows of {width} numbers, got {[len(r) for r in rows]}")
-        this_round = {}
+        # (rows without probes, ``width`` numbers, are accepted: nothing is disturbed)
+        if not rows or len({len(r) for r in rows}) != 1 or len(rows[0]) not in (width, 2 * width):
+            raise ValueError(f"expected rows of {2 * width} numbers, got {[len(r) for r in rows]}")
+        probe_rows = [r[width:] or [math.nan] * width for r in rows]
+        loads = self._step_loads(probe_rows)
+        this_round, all_disturbed = {}, []
         for position, index in enumerate(self.rounds[-1]):
-            this_round[index] = []
+            raw, clean = [], []
             for j in range(counted):
                 column = [r[position * counted + j] for r in rows]
                 known = [x for x in column if not math.isnan(x)]
-                this_round[index].append(max(known) if known else math.nan)
-            self.samples[index].extend(this_round[index])
-        self.round_samples.append(this_round)
-        members = self.rounds[-1]
-        kind = self.round_kinds[-1]
+                x = max(known) if known else math.nan
+                disturbed = not math.isnan(x) and loads[position * counted + j] > self.spell_factor
+                self.disturbed[index] += disturbed
+                raw.append(x)
+                clean.append(math.nan if disturbed else x)
+            self.samples[index].extend(raw)
+            if any(not math.isnan(x) for x in raw) and all(math.isnan(x) for x in clean):
+                all_disturbed.append(index)
+                this_round[index] = raw  # the best there is, unless a retake does better
+            else:
+                this_round[index] = clean
+        if self.round_kinds[-1] == RETAKE:
+            # the retake's samples stand in for the disturbed ones of the round before it
+            retaken = self.round_samples[-1]
+            for index, samples in this_round.items():
+                if index not in all_disturbed or _median(samples) < _median(retaken[index]):
+                    retaken[index] = samples
+        else:
+            self.round_samples.append(this_round)
+            retake = all_disturbed[:self.max_retakes - self.retakes_used]
+            if retake and len(self.rounds[-1]) > 1:
+                self.retakes_used += len(retake)
+                self._next_round(RETAKE, sorted(retake), step)
+                return None
+        kind, members = self._decided_round()
+        this_round = self.round_samples[-1]
         times = {i: self.measured_s(i) for i in members}
         ranked = sorted(members, key=lambda i: (times[i], i))
         best = ranked[0]
@@ -435,12 +529,14 @@ class Trial:
                         "predicted_s": c.predicted_s,
                         "measured_s": None if math.isinf(measured) else measured,
                         "samples": sum(1 for x in self.samples[i] if not math.isnan(x)),
+                        "disturbed": self.disturbed[i],
                         "winner": i == self.winner})
         return {"reason": self.reason, "start_step": self.start_step,
                 "decided_at": self.decided_at,
                 "winner": None if self.winner is None else self.candidates[self.winner].name,
                 "confirmed": [self.candidates[i].name for i in self._members(CONFIRM)],
                 "remeasured": [self.candidates[i].name for i in self._members(TIEBREAK)],
+                "retaken": [self.candidates[i].name for i in self._members(RETAKE)],
                 "noise": self.noise,
                 "candidates": out}
 
@@ -455,6 +551,10 @@ class Trial:
                 "confirm_window": self.confirm_window, "max_confirm": self.max_confirm,
                 "near_tie": self.near_tie, "noise_tie": self.noise_tie,
                 "max_remeasure": self.max_remeasure, "start_step": self.start_step,
+                "spell_factor": self.spell_factor, "max_retakes": self.max_retakes,
+                "retakes_used": self.retakes_used, "disturbed": list(self.disturbed),
+                "probes": [list(p) for p in self.probes],
+                "local_probe": [list(r) for r in self.local_probe],
                 "rounds": [list(r) for r in self.rounds], "round_kinds": list(self.round_kinds),
                 "round_start": self.round_start,
                 "samples": [list(s) for s in self.samples], "noise": self.noise,
@@ -475,7 +575,10 @@ class Trial:
                     confirm=int(sd.get("confirm", sd["measure"])),
                     confirm_window=float(sd.get("confirm_window", CONFIRM_WINDOW)),
                     max_confirm=int(sd.get("max_confirm", MAX_CONFIRM)),
-                    noise_tie=float(sd.get("noise_tie", NOISE_TIE)))
+                    noise_tie=float(sd.get("noise_tie", NOISE_TIE)),
+                    # a state saved before load probes: nothing was disturbed
+                    spell_factor=float(sd.get("spell_factor", SPELL_FACTOR)),
+                    max_retakes=int(sd.get("max_retakes", MAX_RETAKES)))
         trial.rounds = [[int(i) for i in r] for r in sd["rounds"]]
         trial.round_kinds = ([SCREEN] + [TIEBREAK] * (len(trial.rounds) - 1) if legacy
                              else [str(k) for k in sd["round_kinds"]])
@@ -498,6 +601,11 @@ class Trial:
                                    for r in sd["round_samples"]]
         trial.noise = None if sd.get("noise") is None else float(sd["noise"])
         trial.local = [[float(x) for x in r] for r in sd["local"]]
+        trial.retakes_used = int(sd.get("retakes_used", 0))
+        trial.disturbed = [int(x) for x in sd.get("disturbed", [0] * len(trial.candidates))]
+        trial.probes = [[float(x) for x in p] for p in sd.get("probes", [])]
+        trial.local_probe = ([[float(x) for x in r] for r in sd["local_probe"]]
+                             if "local_probe" in sd else [[math.nan] * len(r) for r in trial.local])
         return trial
 
 
@@ -507,8 +615,13 @@ def summary_of(report):
     for entry in report["candidates"]:
         measured = "-" if entry["measured_s"] is None else f"{entry['measured_s'] * 1e3:.1f}"
         mark = "*" if entry["winner"] else ""
-        parts.append(f"{mark}{entry['name']} {entry['predicted_s'] * 1e3:.1f}/{measured}")
-    return "trial (predicted/measured ms): " + ", ".join(parts)
+        # (samples a load spell disturbed, left out: "~N")
+        spelled = f" ~{entry['disturbed']}" if entry.get("disturbed") else ""
+        parts.append(f"{mark}{entry['name']} {entry['predicted_s'] * 1e3:.1f}/{measured}{spelled}")
+    line = "trial (predicted/measured ms): " + ", ".join(parts)
+    if report.get("retaken"):
+        line += f"; retaken after a load spell: {', '.join(report['retaken'])}"
+    return line
 
 
 # --------------------------------------------------------------------------- correction
