@@ -173,3 +173,30 @@ def test_forward_in_progress_is_the_current_steps_forward_on_the_host_clock_only
     meter.clock = object.__new__(measurements.CudaClock)
     meter._fwd_start, meter._fwd_end = 0.0, 1.0
     assert meter.forward_in_progress_s() is None
+
+
+def test_forward_load_compares_the_preferred_steps_forward_with_the_window():
+    meter = BackwardMeter(window=8)
+    clock = meter.clock = FakeClock()
+    layout = (("a",),)
+
+    def step(number, forward):
+        clock.now = 0.0
+        meter._fwd_start = clock.mark()
+        clock.now = forward
+        meter.forward_finished()
+        meter.bucket_arrived(0)
+        meter.end_step(layout, step=number)
+
+    for n in range(5):
+        step(n, 1.0)
+    assert meter.forward_load() is None  # no plan preferred yet
+    meter.prefer_from(5)
+    step(5, 2.0)
+    step(6, 2.0)
+    assert meter.forward_load() is None  # fewer than MIN_FRESH_STEPS preferred steps
+    step(7, 2.0)
+    # preferred median 2.0 over the window's median (1, 1, 1, 1, 1, 2, 2, 2): 1.0
+    assert meter.forward_load() == pytest.approx(2.0)
+    meter.prefer_from(0)
+    assert meter.forward_load() is None  # nothing older to compare with

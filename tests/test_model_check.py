@@ -194,6 +194,60 @@ def test_a_plan_is_checked_against_its_own_steps_identically_on_every_rank(selec
         assert "comm_times" in r["state_dict_keys"]
 
 
+def spell_check_worker(rank, world_size, steps, spell):
+    import time
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    # (the check that follows a trial's winner; select="model" checks a plan only when
+    # a re-plan changed it)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=2, select="measured",
+                               allow_dense=False)
+    slowed = []
+
+    def load_spell(module, args):
+        # a load spell over the first check's steps: each forward takes 30 ms more
+        # (this tiny model's forward takes well under 1 ms)
+        if spell and state._check_at is not None and state._check_postponed == 0:
+            time.sleep(0.03)
+            slowed.append(state.step)
+
+    model.register_forward_pre_hook(load_spell)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    checks = []
+    for step in range(steps):
+        train_steps(ddp, opt, step, step + 1, rank)
+        check = state.stats()["model_check"]
+        if check is not None and (not checks or check != checks[-1]):
+            checks.append(check)
+        if checks and not spell:
+            break
+    out = {"checks": checks, "slowed": slowed}
+    del ddp, state
+    gc.collect()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spell", [True, False])
+def test_a_check_whose_steps_ran_in_a_load_spell_waits_and_measures_afresh(spell):
+    results = run_ranks("test_model_check", "spell_check_worker", world_size=2, timeout=240,
+                        steps=70, spell=spell)
+    first = [r["checks"][0] for r in results if r["checks"]]
+    assert len(first) == 2 and first[0] == first[1], "the check differs between ranks"
+    check = first[0]
+    if spell:
+        assert results[0]["slowed"], "the spell never ran"
+        # the check saw the spell in the forward times, waited once, then ran on the
+        # steps after it
+        assert check["postponed"] == 1
+        assert check["step"] > max(results[0]["slowed"])
+    else:
+        assert check["postponed"] == 0 and not results[0]["slowed"]
+    assert check["forward_load"] is None or check["forward_load"] <= 1.3
+
+
 def test_the_dense_correction_reaches_a_measured_inter_node_all_reduce():
     from omgs_hook.hook import _two_level_corrected
     from omgs_hook.plan_selection import Correction

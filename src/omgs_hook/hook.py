@@ -100,6 +100,10 @@ OVERHEAD_SETTLE_STEPS = 5
 # steps a new plan runs before the model is checked against it (re-evaluated with the
 # times of its own steps; at least measurements.MIN_FRESH_STEPS of them)
 CHECK_SETTLE_STEPS = 5
+#: a model check whose steps ran in a load spell (their forward, on some rank, over
+#: plan_selection.SPELL_FACTOR times that rank's recent level) waits CHECK_SETTLE_STEPS
+#: more steps, at most this many times, measuring afresh from there
+MAX_CHECK_POSTPONES = 3
 
 
 def _check_fraction(name, value):
@@ -525,6 +529,7 @@ class OMGSState:
         # the result of that (stats()["model_check"])
         self._step_times = collections.deque(maxlen=measure_window)
         self._check_at = None
+        self._check_postponed = 0  # times the pending check waited out a load spell
         self._model_check = None
         # measured selection: the running trial, its GroupPlans and layout, the last
         # finished trial's report, the model plan the last trial started from
@@ -1094,6 +1099,9 @@ class OMGSState:
         step_at = len(local)  # the step time, then the collectives' measured times
         step_s = self._fresh_step_s()
         local += [step_s, 1.0] if step_s is not None else [0.0, 0.0]
+        load_at = len(local)  # the forward's load ratio (host clock only)
+        load = self.meter.forward_load() if self._on_host() else None
+        local += [load, 1.0] if load is not None else [0.0, 0.0]
         comm_at = len(local)
         local += self._comm_times.table() if self.measured_comm else self._comm_times.empty_table()
         # one all-gather for the planning row and the per-step timelines (every gather on
@@ -1140,6 +1148,7 @@ class OMGSState:
                 comm_rows.reshape(self.world_size, self._comm_times.window, -1), comm, dense)
         measured_step_s = (float(rows[:, step_at].max())
                            if float(rows[:, step_at + 1].min()) > 0 else None)
+        loads = [float(x) for x, known in zip(rows[:, load_at], rows[:, load_at + 1]) if known > 0]
         topk_c0 = topk.c0 + per_group
         correction = self._correction if self.select == "measured" else None
         base = Instance(
@@ -1172,7 +1181,8 @@ class OMGSState:
                   "writeback_s": wb_group, "writeback_s_per_element": wb_element,
                   "comm_override": network if network is not self.profile.comm else None,
                   "two_level_model": two_level is not None,
-                  "comm_scale": scales, "measured_step_s": measured_step_s}
+                  "comm_scale": scales, "measured_step_s": measured_step_s,
+                  "forward_load": max(loads) if loads else None}
         return instance, inputs
 
     @staticmethod
@@ -1258,6 +1268,8 @@ class OMGSState:
         if reason == "check":
             self._check_at = None
         instance, inputs = self._build_instance(layout)
+        if reason == "check" and self._postpone_check(inputs["forward_load"]):
+            return
         self._plan_instance = (tuple(tuple(b) for b in layout), instance)  # for summary()
         flat_instance = self._flat_instance[1]
         self._comm_override = inputs.pop("comm_override")
@@ -1313,11 +1325,27 @@ class OMGSState:
         flat = self._flat_instance[1] if self._flat_instance is not None else None
         return self._instance_for(plan, self._plan_instance[1], flat)
 
-    def _plan_in_use_from(self, step, check):
+    def _plan_in_use_from(self, step, check, postponed=0):
         """A plan runs from ``step`` on: measure it from there and, with ``check``, re-check
         the model on it ``CHECK_SETTLE_STEPS`` later (:meth:`_check_plan_in_use`)."""
         self.meter.prefer_from(step)
         self._check_at = step + CHECK_SETTLE_STEPS if check else None
+        self._check_postponed = postponed
+
+    def _postpone_check(self, forward_load):
+        """True (and the check moved on) when the check's steps ran in a load spell:
+        ``forward_load``, the gathered largest ratio of a rank's forward over its recent
+        level, is above the spell factor. A spell inflates the backward times the
+        check re-plans with as well as the step it compares with; the check then
+        measures afresh from this step. Decided from gathered numbers: the same on every
+        rank."""
+        if (forward_load is None or forward_load <= plan_selection.SPELL_FACTOR
+                or self._check_postponed >= MAX_CHECK_POSTPONES):
+            return False
+        logger.info("omgs_hook: step %d model check waits: its steps' forward ran %.2fx the "
+                    "recent level (a load spell)", self.step, forward_load)
+        self._plan_in_use_from(self.step, check=True, postponed=self._check_postponed + 1)
+        return True
 
     def _check_plan_in_use(self, instance, measured_s):
         """The plan in use, predicted from the steps it ran (``instance``), against the
@@ -1334,6 +1362,8 @@ class OMGSState:
             "planned_s": plan.predicted_iteration_s, "predicted_s": predicted,
             "measured_s": measured_s,
             "error": (predicted - measured_s) / measured_s if measured_s else None,
+            "postponed": self._check_postponed,
+            "forward_load": self._planned_with.get("forward_load"),
             "comm_scale": dict(self._planned_with.get("comm_scale") or {}),
             "correction": (self._correction.to_dict()
                            if self._correction is not None and self.select == "measured" else None),
@@ -1794,6 +1824,7 @@ class OMGSState:
             "comm_times": self._comm_times.state_dict(),
             "step_times": [list(e) for e in self._step_times],
             "check_at": self._check_at,
+            "check_postponed": self._check_postponed,
             "model_check": self._model_check,
         }
 
@@ -1872,6 +1903,7 @@ class OMGSState:
         self._step_times.clear()
         self._step_times.extend((int(a), float(b)) for a, b in sd.get("step_times") or [])
         self._check_at = None if sd.get("check_at") is None else int(sd["check_at"])
+        self._check_postponed = int(sd.get("check_postponed", 0))
         self._model_check = dict(sd["model_check"]) if sd.get("model_check") else None
         self._bucket0 = None
         if self._pinned is not None:

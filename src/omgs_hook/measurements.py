@@ -223,6 +223,22 @@ class BackwardMeter:
         fresh = [v for v, s in zip(values, steps) if s is not None and s >= floor]
         return fresh if len(fresh) >= MIN_FRESH_STEPS else list(values)
 
+    def forward_load(self):
+        """How much slower the preferred steps' forward ran than the window's: the median
+        forward since :meth:`prefer_from` over the median of every kept forward, or None
+        (no preference, fewer than :data:`MIN_FRESH_STEPS` preferred steps, or no older
+        step to compare with). The forward is compute only and the same for every plan,
+        so a ratio well above 1 means something else took the cores (a load spell)."""
+        floor = self.prefer_from_step
+        if floor is None:
+            return None
+        fresh = [v for v, s in zip(self._forward, self._forward_steps)
+                 if s is not None and s >= floor]
+        if len(fresh) < MIN_FRESH_STEPS or len(fresh) == len(self._forward):
+            return None
+        reference = statistics.median(self._forward)
+        return statistics.median(fresh) / reference if reference > 0 else None
+
     # -- results ----------------------------------------------------------------
     @property
     def num_samples(self):
