@@ -437,6 +437,50 @@ def test_forward_search_joined_to_a_stopped_backward_search_is_exact(dense, c2):
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("c2", ["zero", "positive"])
+def test_backward_search_joined_to_exact_prefix_fronts_is_exact(dense, c2):
+    """A first forward turn that ran out of budget (and went on as a beam) leaves the
+    exact fronts of its first prefixes; the backward search joined to them (suffix
+    starts up to there priced against those fronts, not searched) finds the brute-force
+    optimum - in one go, resumed in small steps, and with a forward search joined to it
+    where it stopped - with and without a tight bound."""
+    rng = np.random.default_rng(95 + 2 * dense + (c2 == "positive"))
+    joined = regions = 0
+    for _ in range(30):
+        inst = random_instance(rng, int(rng.integers(2, 9 if dense else 11)), dense=dense)
+        c2_value = 0.0 if c2 == "zero" else _log_uniform(rng, 1e-14, 1e-10)
+        inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=c2_value))
+        truth = brute_force(inst) - inst.forward_s
+        for budget in (1, 2, 4, 8, 16, 40):
+            for bound in (math.inf, truth * (1 + 1e-9)):
+                forward = planner._FrontierSearch(inst, upper_bound=bound, budget=budget,
+                                                  then_beam=(1, 2))
+                forward.solve()  # (if it finished, its fronts cover every prefix)
+                for step in (None, 3):
+                    backward = planner._SuffixSearch(
+                        inst, bound, budget=step, prefix_states=forward.beam_states,
+                        exact_prefix=forward)
+                    regions += backward.join_to >= 0
+                    found = backward.solve()
+                    while found is None and backward.outcome == "budget":
+                        # a forward search joined to it where it stopped is exact too
+                        again = planner._FrontierSearch(inst, upper_bound=bound,
+                                                        suffix=backward).solve()
+                        value = resimulate(inst, planner._groups_from_bounds(again[0]),
+                                           again[1])
+                        assert value - inst.forward_s == pytest.approx(truth, rel=REL)
+                        found = backward.resume(step)
+                    assert found is not None, (budget, bound, step)
+                    joined += backward.used_join
+                    bounds, modes = found
+                    assert bounds[-1] == inst.num_units and len(modes) == len(bounds)
+                    value = resimulate(inst, planner._groups_from_bounds(bounds), modes)
+                    assert value - inst.forward_s == pytest.approx(truth, rel=REL), (
+                        budget, bound, step)
+    assert regions >= 50 and joined == regions  # the join did happen
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 def test_a_resumed_backward_search_is_the_one_shot_search(dense):
     """A backward search stopped by its budget and resumed in small steps returns the
     same plan as one run without a budget, and with the bound lowered on the way (to

@@ -537,11 +537,17 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
       steeply with the gap between bound and optimum - and hands the tighter bound on;
     * every forward turn after a backward turn that ran out of budget joins the suffix
       fronts that turn finished: plans whose first boundary past the point where it
-      stopped is ``t`` are priced exactly from the front at ``t`` and not stored.
+      stopped is ``t`` are priced exactly from the front at ``t`` and not stored;
+    * the backward search also joins the exact fronts that the first forward turn
+      made before it turned into a beam: the suffix starts up to there are priced
+      against them instead of searched (*Join to exact prefixes* in
+      :class:`_SuffixSearch`).
 
-    The backward search costs two to three times as much per candidate: without a dense
-    cost (where, joined to the beam's prefixes, it usually ends the race) its turns get
-    half the forward turn's count, with one (where it rarely wins) a quarter.
+    Without a dense cost the backward search, joined to the beam's prefixes, ends the
+    race on every benchmark instance that the first forward turn does not finish, so its
+    turns get twice the forward turn's count (the first one 2 million candidates: the
+    forward turn in between would be wasted work); with a dense cost (where it rarely
+    wins) a quarter.
 
     With a dense cost, or beyond :data:`EXACT_UNITS` units, once the turns together have
     examined :data:`SEARCH_BUDGET` candidates, the best plan found so far is returned
@@ -610,7 +616,7 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
     while not valve_closed():
         budget *= _RACE_GROWTH
         # the backward turn's share of the count (see the docstring)
-        share = grant(max(1, budget // (2 if inst.dense is None else 4)))
+        share = grant(max(1, budget * 2 if inst.dense is None else budget // 4))
         if backward is None:
             backward = _SuffixSearch(
                 inst,
@@ -619,6 +625,7 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
                 least_topk=least_topk,
                 network_floor=network_floor,
                 prefix_states=prefix_states,
+                exact_prefix=beam_search,
             )
             found = backward.solve()
         else:  # it goes on where it stopped: no work is done twice
@@ -827,6 +834,13 @@ class _FrontierSearch:
     heuristic: it keeps the ``beam`` states per target with the least lower bound and
     at most ``beam_live`` live states, and records the states it keeps per target in
     :attr:`beam_states` (for the backward search's join).
+
+    **Exact fronts.** While a search over free groups without a join is still exact, it
+    records the front created at every target in :attr:`exact_fronts` (and keeps the
+    chains of parents in :attr:`chains`). A search that then runs out of budget and
+    goes on as a beam leaves the exact fronts of its first prefixes: every grouping of
+    ``0..t-1`` that can still beat the bound is one of those states or dominated by
+    one, which is what the backward search's *join to exact prefixes* needs.
     """
 
     _PRUNE_EVERY = 8
@@ -857,6 +871,11 @@ class _FrontierSearch:
         self.beam_states = (
             [None] * (inst.num_units + 1) if beam is not None or then_beam else None
         )
+        # exact mode (no join, free groups): per target t, (c, e, first id) of the front
+        # created there, while the search is still exact (see *Exact fronts*); with
+        # :attr:`chains`, any of those states can be turned back into its grouping
+        self.exact_fronts = {}
+        self.chains = None
         self.budget = budget
         L = inst.num_units
         numel, backward, self.numel_prefix, self.backward_prefix = _unit_arrays(inst)
@@ -982,6 +1001,10 @@ class _FrontierSearch:
         next_id = 1
         since_prune = 0
         examined = 0
+        self.chains = (first_ids, parents, modes)
+        record_fronts = self.exact and not self.fixed and join_from == math.inf
+        if record_fronts:
+            self.exact_fronts[0] = (np.zeros(1), np.zeros(1), 0)  # the empty prefix
 
         for t in self.targets:
             Dp_t, Bp_t = Dp[t], Bp[t]
@@ -1083,6 +1106,8 @@ class _FrontierSearch:
             count = chosen.size
             if beam is not None:
                 self.beam_states[t] = (new_c, new_e)
+            elif record_fronts:
+                self.exact_fronts[t] = (new_c, new_e, next_id)
             first_ids.append(next_id)
             if has_dense:
                 is_dense = chosen >= live
@@ -1349,6 +1374,20 @@ class _SuffixSearch:
     search. The plan is still the one this search finds at ``s = 0``, which the tighter
     bound never excludes (it is never below the optimum).
 
+    **Join to exact prefixes.** Given ``exact_prefix``, a forward search whose exact
+    fronts (:attr:`_FrontierSearch.exact_fronts`) cover every prefix ``0..r``, the
+    suffix starts ``s <= r`` are not searched. Every plan has a last boundary ``s <= r``
+    and its next boundary ``t > r``; its part before ``s`` is (or is dominated by) a
+    state of the exact front at ``s``, and its part from ``s`` on is a candidate of this
+    search at ``s`` made from a live state at ``t`` (or is dominated by one). So from
+    ``s = r`` down to 0 the candidates are only priced against the exact front at ``s``
+    (``max(e + Ys, c + G)``, least where ``Ys - G``, ascending along the candidates'
+    front, crosses ``c - e``: one binary search per prefix state) and not stored; the
+    live set stops growing at ``r`` and only shrinks, and the plan is the best priced
+    one (the first ``s`` and prefix state win ties). A search that stops there for its
+    budget reports ``stopped_at = r``: a forward search joined to it stores its own
+    states up to ``r``, since no fronts are created below.
+
     Ties: states whose times differ by less than ``tie`` are equal; the Pareto front is
     taken with a stable sort over candidates in a fixed order (live states in order of
     creation, sparse before dense), so the plan depends only on the instance.
@@ -1362,16 +1401,27 @@ class _SuffixSearch:
         least_topk: Optional[np.ndarray] = None,
         network_floor: Optional[np.ndarray] = None,
         prefix_states=None,
+        exact_prefix: Optional["_FrontierSearch"] = None,
     ):
         """``least_topk``: :func:`_least_topk_time` of the instance, and
         ``network_floor``: :func:`_prefix_network_floor`, when the caller has them
         already (they are the same for every search of one instance).
         ``prefix_states``: per prefix ``s``, ``None`` or arrays ``(c, e)`` of states of
         actual groupings of ``0..s-1`` (the beam's), which tighten the bound on the way
-        (:attr:`best_found`)."""
+        (:attr:`best_found`). ``exact_prefix``: a forward search, run with a bound no
+        lower than ``upper_bound``, whose :attr:`_FrontierSearch.exact_fronts` reach
+        prefix ``r``; the suffix starts ``s <= r`` are then joined to them instead of
+        searched (*Join to exact prefixes* in the class docstring)."""
         self.inst = inst
         self.upper_bound = float(upper_bound)
         self.prefix_states = prefix_states
+        self.exact_prefix = exact_prefix
+        # the exact prefix fronts reach join_to: every front at 0..join_to is there
+        self.join_to = -1
+        if exact_prefix is not None:
+            while self.join_to + 1 in exact_prefix.exact_fronts:
+                self.join_to += 1
+        self.used_join = False  # whether the plan found is a joined one
         # the least time of a plan seen so far (a known prefix + a suffix state), plus a tie
         self.best_found = math.inf
         # per suffix start s: (Ys, G, ids) of the front created there (sorted by Ys, so
@@ -1488,6 +1538,10 @@ class _SuffixSearch:
         next_id = 1
         examined = 0
         final_id = -1
+        join_to = self.join_to
+        exact_fronts = self.exact_prefix.exact_fronts if join_to >= 0 else None
+        best_join = math.inf
+        joined = None  # (s, prefix state id, first group's end, its suffix id, dense)
 
         for s in range(L - 1, -1, -1):
             live = T.size
@@ -1517,7 +1571,9 @@ class _SuffixSearch:
             self.examined = examined
             while examined > budget:
                 self.outcome = "budget"
-                self.stopped_at = s
+                # (no fronts are created at s <= join_to: a forward search joined to
+                # this one must store its states up to there)
+                self.stopped_at = max(s, join_to)
                 yield None
                 budget = self.budget  # resumed: the candidates at s are still here
                 limit = min(limit, self.upper_bound + tie * (L + 2))
@@ -1547,7 +1603,34 @@ class _SuffixSearch:
                 chosen = pool
                 new_y, new_g = cand_y[pool], cand_g[pool]
             count = chosen.size
-            if count and s > 0 and self.prefix_states is not None:
+            if s <= join_to:
+                # every plan has a last boundary s <= join_to, after which its next
+                # boundary is a live state's start t > join_to: price these candidates
+                # against the exact prefix front at s (the least max(e + Ys, c + G) is
+                # where Ys - G, ascending along the front, crosses c - e); none is stored
+                pc, pe, first_id = exact_fronts[s]
+                if count and pc.size:
+                    cut = np.searchsorted(new_y - new_g, pc - pe)
+                    last = count - 1
+                    above = pe + new_y[np.minimum(cut, last)]
+                    above[cut > last] = math.inf
+                    below = pc + new_g[np.maximum(cut - 1, 0)]
+                    below[cut == 0] = math.inf
+                    value = np.minimum(above, below)
+                    i = int(np.argmin(value))
+                    if value[i] < best_join:  # (the first s and prefix state win ties)
+                        best_join = float(value[i])
+                        j = int(cut[i]) if above[i] <= below[i] else int(cut[i]) - 1
+                        k = int(chosen[j])
+                        src = k - live if k >= live else k
+                        joined = (s, first_id + i, int(T[src]), int(ID[src]), k >= live)
+                        limit = min(limit, best_join + tie * (L + 2))
+                        self.best_found = min(self.best_found, best_join + tie)
+                if s == 0:
+                    break
+                count = 0  # nothing is stored
+                new_y, new_g = new_y[:0], new_g[:0]
+            elif count and s > 0 and self.prefix_states is not None:
                 known = self.prefix_states[s]
                 if known is not None and known[0].size:
                     # a known prefix ending at s + a suffix state: an actual plan's time,
@@ -1600,6 +1683,21 @@ class _SuffixSearch:
                 G = np.concatenate((G[alive], new_g))
                 ID = np.concatenate((ID[alive], ids)) if count else ID[alive]
 
+        if join_to >= 0:
+            if joined is None:
+                self.outcome = "none"
+                yield None  # no plan within the bound
+                return
+            s, prefix_id, end, suffix_id, dense_flag = joined
+            forward = self.exact_prefix
+            first_ids, fparents, fmodes = forward.chains
+            head = forward._reconstruct(prefix_id, first_ids, forward.targets, fparents, fmodes)
+            tail = ((), ()) if suffix_id == 0 else self._reconstruct(
+                suffix_id, starts, parents, modes, L)
+            self.used_join = True
+            self.outcome = "found"
+            yield (head[0] + (end,) + tail[0], head[1] + (bool(dense_flag),) + tail[1])
+            return
         if final_id < 0:
             self.outcome = "none"
             yield None  # every state was beyond the bound
