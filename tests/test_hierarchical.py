@@ -280,9 +280,11 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
     params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     planned = None
     if report_instance:
-        instance = state.measured_instance()
+        # (measured_instance() with the factors measured_comm scaled the links by)
+        instance, inputs = state._build_instance(state.meter.layout)
         planned = {"hierarchy": instance.to_dict().get("hierarchy"),
-                   "inter_dense_cost": instance.inter_dense_cost().to_dict()}
+                   "inter_dense_cost": instance.inter_dense_cost().to_dict(),
+                   "two_level_scale": inputs["two_level_scale"]}
     stats = state.stats()
     summary = state.summary()
     caught.__exit__(None, None, None)
@@ -469,11 +471,15 @@ def test_two_level_matches_reference_across_plan_changes(tmp_path):
                         env_local_world_size=PER_NODE, report_instance=True)
     _check_reference(results)
     assert all(r["stats"]["planned_with"]["two_level_model"] is True for r in results)
-    # the profile's measured inter_dense reaches the planner: dense groups are priced by it
+    # the profile's measured inter_dense reaches the planner: dense groups are priced by
+    # it (times the factor measured_comm found for it, when the window held dense groups)
+    factor = results[0]["planned"]["two_level_scale"]["inter_dense"] or 1.0
     measured = {"alpha_s": 9e-4, "beta_s_per_byte": 6e-7}
     for r in results:
-        assert r["planned"]["hierarchy"]["inter_dense"] == measured, r["planned"]
-        assert r["planned"]["inter_dense_cost"] == measured
+        assert r["planned"]["two_level_scale"] == results[0]["planned"]["two_level_scale"]
+        for cost in (r["planned"]["hierarchy"]["inter_dense"], r["planned"]["inter_dense_cost"]):
+            assert cost == pytest.approx({k: v * factor for k, v in measured.items()},
+                                         rel=1e-12), r["planned"]
     steps = results[0]["per_step"]
     assert steps[0]["inter"] > 0 and steps[0]["groups"] == steps[0]["dense"]  # the warm-up
     sparse_steps = [s for s in steps if s["dense"] < s["groups"]]

@@ -26,10 +26,14 @@ from .residual_memory import CURRENT
 class GroupRecord:
     """What was sent for one group (for stats and for tests' reference checks), and when:
     ``started`` (the hook began assembling it), ``issued`` (its collective was issued),
-    ``done`` (written back) - host ``perf_counter`` seconds, for the measured timeline."""
+    ``done`` (written back) - host ``perf_counter`` seconds, for the measured timeline.
+    A two-level group also has ``inter_issued`` and ``inter_done`` (its inter-node
+    collective; set when the exchange times its stages) and ``model_bytes`` (its
+    inter-node collective's and intra-node all-gather's bytes as the cost model prices
+    them; :func:`~omgs_hook.measurements.two_level_comm_sums`)."""
 
     __slots__ = ("keys", "dense", "numel", "selected", "bytes", "started", "issued", "done",
-                 "inter_bytes", "intra_bytes")
+                 "inter_bytes", "intra_bytes", "inter_issued", "inter_done", "model_bytes")
 
     def __init__(self, keys, dense, numel, selected, nbytes, started=None):
         self.keys = keys
@@ -42,6 +46,9 @@ class GroupRecord:
         self.done = None
         self.inter_bytes = 0  # bytes this rank sends to ranks on other nodes / its own node
         self.intra_bytes = 0
+        self.inter_issued = None
+        self.inter_done = None
+        self.model_bytes = None
 
 
 class StepExchange:
@@ -62,8 +69,11 @@ class StepExchange:
     def __init__(self, memory, selector, process_group, world_size, density,
                  on_finished=None, on_comm_sample=None, raise_on_nonfinite=False,
                  clip_per_sqrt_element=None, measure_health=False, track_staleness=False,
-                 topology=None, subgroups=None):
+                 topology=None, subgroups=None, time_stages=False):
         self.memory = memory
+        # two-level groups: time the inter-node collective too (measured_comm, on the
+        # host clock), for measurements.two_level_comm_sums
+        self.time_stages = time_stages
         # omgs_hook.topology.Topology (None: flat, one rank per node assumed) and, for the
         # two-level exchange, its Subgroups
         self.topology = topology
@@ -393,6 +403,8 @@ class StepExchange:
         record = GroupRecord(keys, False, numel, k * self.topology.ranks_per_node,
                              communicator.payload_bytes(k), time.perf_counter())
         record.inter_bytes, record.intra_bytes = hierarchical.byte_counts(numel, k, self.topology)
+        entry = communicator.VALUE_BYTES + communicator.INDEX_BYTES
+        record.model_bytes = (k * entry, self.topology.nodes * k * entry)
         group = self._register(record)
         stages = hierarchical.sparse_group(self, keys, numel, record)
         self._pipelines.append([stages, None, group])
@@ -407,6 +419,7 @@ class StepExchange:
         record = GroupRecord(keys, True, numel, numel, 4 * size, time.perf_counter())
         record.inter_bytes, record.intra_bytes = hierarchical.dense_byte_counts(
             numel, self.topology)
+        record.model_bytes = (4 * size, 4 * size)
         group = self._register(record)
         stages = hierarchical.dense_group(self, keys, numel, record)
         self._pipelines.append([stages, None, group])

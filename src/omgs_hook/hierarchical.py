@@ -140,10 +140,13 @@ def dense_group(ex, keys, numel, record):
     yield work
 
     # -- stage 2: the all-reduce of the node sums of this shard between nodes
+    inter_issued = time.perf_counter()
     work = dist.all_reduce(shard, group=groups.inter, async_op=True)
+    _time_inter(ex, work, record, inter_issued)
     yield work
 
     # -- stage 3: the average, the intra-node all-gather; the write-back in its callback
+    _inter_waited(ex, record)
     shard.div_(ex.world_size)
 
     def start():
@@ -227,13 +230,16 @@ def sparse_group(ex, keys, numel, record):
     if ex.measure_health:
         ex.health[-1][1] = acc.square().sum()
     gathered = payload.new_empty(N * payload.numel())
+    inter_issued = time.perf_counter()
     work = communicator.all_gather_flat(gathered, payload, group=groups.inter, async_op=True)
+    _time_inter(ex, work, record, inter_issued)
     ex.topk_s += selected - selecting
     ex.overhead_samples.append((numel, (assembled - started) + (selecting - resumed),
                                 time.perf_counter() - selected))
     yield work
 
     # -- stage 3: the intra-node all-gather of the N payloads; the write-back in its callback
+    _inter_waited(ex, record)
     everything = []
 
     def start():
@@ -271,6 +277,27 @@ def _finish(ex, keys, store, segments, gathered, k, numel, size, foreign):
         ex.memory.stage(key, None)  # added before the reduce-scatter: now in the shard sums
     if not nonfinite_any:
         ex.writeback_samples.append((numel, time.perf_counter() - started))
+
+
+def _time_inter(ex, work, record, issued):
+    """With ``ex.time_stages``: note when the group's inter-node collective was issued
+    and, from its future's callback, when it completed (``measured_comm``)."""
+    if not ex.time_stages:
+        return
+    record.inter_issued = issued
+
+    def completed(_):
+        if record.inter_done is None:
+            record.inter_done = time.perf_counter()
+
+    work.get_future().add_done_callback(completed)
+
+
+def _inter_waited(ex, record):
+    """The inter-node collective was waited for: if its callback has not noted its
+    completion yet, now is when it is known to be complete."""
+    if ex.time_stages and record.inter_done is None:
+        record.inter_done = time.perf_counter()
 
 
 def _stage(buffer, segments, factor):

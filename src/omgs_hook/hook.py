@@ -71,8 +71,8 @@ from .cost_model import (Instance, InstanceError, LinearCost, TopkCost, Unit, ch
 from .background_planner import BackgroundPlanner
 from .group_exchange import StepExchange
 from .group_plan import GroupPlan, check_exchange
-from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, comm_scale,
-                           comm_sums, slowest_rank_timeline)
+from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, comm_sums,
+                           least_median_factor, slowest_rank_timeline, two_level_comm_sums)
 from .profile_file import Profile, default_profile, load_profile, profile_mismatches
 from .residual_memory import ResidualMemory
 
@@ -230,11 +230,14 @@ def _compute_plan(job, strategy, select):
     exchange = job.get("exchange")
     flat_inst = Instance.from_dict(job["flat_instance"]) if job.get("flat_instance") else None
     unit_plan = planner_mod.make_plan(inst, strategy)
-    model_key = (tuple(map(tuple, unit_plan.groups)), tuple(bool(d) for d in unit_plan.dense))
+    model_key = _plan_key(unit_plan)
     out = {"candidates": None, "plan": None, "reason": "model", "model_key": model_key}
     if select == "model":
         out["plan"] = plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan, exchange)
         return out
+    # the flat model's plan (of the user's strategy), for the later trials' flat candidate
+    flat_plan = planner_mod.make_plan(flat_inst, strategy) if flat_inst is not None else None
+    out["flat_key"] = _plan_key(flat_plan) if flat_plan is not None else None
     kept = job["kept"]
     if kept is None:  # a full trial: the first plan, a new layout
         candidates = plan_selection.model_candidates(inst, strategy, unit_plan,
@@ -246,22 +249,44 @@ def _compute_plan(job, strategy, select):
         return out
     out["reason"] = "kept"
     previous = job["model_key"]
-    if model_key == (tuple(map(tuple, previous[0])), tuple(previous[1])):
-        return out  # the model's inputs led to the plan the last trial started from
+    model_changed = model_key != (tuple(map(tuple, previous[0])), tuple(previous[1]))
+    # topology="auto" resolved two-level: the flat model's plan is watched as well
+    previous_flat = job.get("flat_model_key")
+    flat_changed = flat_plan is not None and (
+        previous_flat is None
+        or out["flat_key"] != (tuple(map(tuple, previous_flat[0])), tuple(previous_flat[1])))
+    if not model_changed and not flat_changed:
+        return out  # the model's inputs led to the plans the last trial started from
     groups = tuple(tuple(g) for g in kept["groups"])
     kept_exchange = kept.get("exchange") or exchange
     # a kept flat winner is priced on the flat instance
     kept_inst = flat_inst if kept_exchange == "flat" and flat_inst is not None else inst
     dense = tuple(kept["dense"]) if kept_inst.dense is not None else (False,) * len(groups)
-    candidates = plan_selection.dedupe([
-        plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan, exchange),
-        plan_selection.Candidate.from_plan(f"kept:{kept['name']}",
-                                           planner_mod.evaluate(kept_inst, groups, dense),
-                                           kept_exchange),
-    ])
+    pool = [plan_selection.Candidate.from_plan(f"kept:{kept['name']}",
+                                               planner_mod.evaluate(kept_inst, groups, dense),
+                                               kept_exchange)]
+    if model_changed:  # (an unchanged model plan lost to the kept one, or is it)
+        pool.insert(0, plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan,
+                                                          exchange))
+    best = min(c.predicted_s for c in pool)
+    if flat_plan is not None and (flat_plan.predicted_iteration_s
+                                  <= plan_selection.PRUNE_FACTOR * best):
+        # last: the first to go when the budget is short; pruned as in a full trial
+        pool.append(plan_selection.Candidate.from_plan(
+            plan_selection.FLAT_PREFIX + flat_plan.strategy, flat_plan, "flat"))
+    candidates = plan_selection.dedupe(pool)  # (the flat one goes when it is the kept plan)
+    room = job.get("retrial_room")
+    while room is not None and len(candidates) > 2 and (
+            plan_selection.trial_steps_bound(len(candidates)) > room):
+        candidates.pop()
     if len(candidates) > 1 and job["retrial_ok"]:
         out["candidates"] = candidates
     return out  # over the trial budget, or nothing new: the measured winner stays
+
+
+def _plan_key(plan):
+    """A plan's (groups, dense flags) as tuples: what the later trials compare."""
+    return (tuple(map(tuple, plan.groups)), tuple(bool(d) for d in plan.dense))
 
 
 def _check_plan_keys(plan, shapes):
@@ -336,7 +361,11 @@ class OMGSState:
             whose model plan differs from the one the last trial started from, e.g.
             after an online refit) compares the kept plan with the new model plan only
             (at most 30 steps) and starts only while all later trials together stay
-            within 3% of the steps run; otherwise the kept plan stays. Trial steps are
+            within 3% of the steps run; otherwise the kept plan stays. (With
+            ``topology="auto"`` resolved two-level it starts when the two-level or the
+            flat model's plan changed, and also holds the flat model's plan
+            ``flat:<strategy>`` when that differs from the kept plan and the budget
+            has room for three candidates, at most 37 steps.) Trial steps are
             ordinary training steps (error feedback is per parameter, so switching
             plans between steps changes no result); what a trial costs is the slower
             candidates' extra time over those steps. One small all-gather per
@@ -363,8 +392,22 @@ class OMGSState:
             they share the cores (gloo) with backward, and the network may have changed.
             Per rank the factor is the median over those steps of each step's measured
             over modelled time, then the least over ranks (a rank that waits for a
-            straggler measures the wait too); identical on every rank. Flat exchange on CPU only (on CUDA the host clock sees launches, not the
-            GPU). ``stats()["planned_with"]["comm_scale"]``. Default True.
+            straggler measures the wait too); identical on every rank.
+            ``stats()["planned_with"]["comm_scale"]``. With the two-level exchange each
+            link class has its own factor, from the same per-step ratio, per-rank median
+            and least over ranks, over the last 16 two-level steps: ``intra`` from the
+            intra-node all-gathers (each from the end of its group's inter-node
+            collective to the end of its write-back), ``inter`` from the inter-node
+            sparse all-gathers and ``inter_dense`` from the inter-node all-reduces (each
+            from its issue, or the previous group's end, to its completion); the
+            intra-node reduce-scatter is not timed (gloo gives it no future), it is
+            priced by the scaled ``intra`` line. They scale the two-level instance's
+            link classes (``stats()["planned_with"]["two_level_scale"]``); the flat
+            factors then come from the steps that ran on the flat exchange (the flat
+            candidates of a ``topology="auto"`` trial, a flat winner) and scale only
+            the flat instance those candidates are priced by (docs/hierarchical.md).
+            Host clock only: on CUDA it times launches, not the GPU, and the profile
+            stands alone. Default True.
         nonfinite (str): what to do when any rank's gradient holds NaN/Inf: ``"skip"``
             (default) - every rank gets a non-finite gradient for the affected group (so
             an AMP ``GradScaler`` skips the step) and the residual stays exactly as it
@@ -522,8 +565,10 @@ class OMGSState:
 
             self._fitter = OnlineLinearFitter()
         self._comm_override = None
-        # measured_comm: what the last steps' collectives took, by kind
+        # measured_comm: what the last steps' collectives took, by kind (the flat
+        # exchange's), and a two-level run's two-level steps by link class
         self._comm_times = CommTimeMeter()
+        self._two_level_times = CommTimeMeter(kinds=3)
         # the plan in use against reality: this rank's (step, seconds) bucket-0 to bucket-0,
         # the step at which the plan in use is re-evaluated with its own steps' times, and
         # the result of that (stats()["model_check"])
@@ -543,6 +588,7 @@ class OMGSState:
         self._trial_layout = None
         self._last_trial = None
         self._model_key = None
+        self._flat_model_key = None  # the flat model's plan when the last trial started
         self._retrial_steps = 0
         self._correction = None  # plan_selection.Correction fitted from the last trial
         self._plan_history = []
@@ -847,6 +893,7 @@ class OMGSState:
             topology=self.topology,
             # the plan's exchange; the subgroups exist from the registration either way
             subgroups=self._subgroups if self._step_exchange_kind() == "hierarchical" else None,
+            time_stages=self.measured_comm and self._on_host(),
         )
         # the step this backward completes (counted from 1); the counter itself only
         # advances at the last bucket, possibly after the collectives finished
@@ -1104,6 +1151,10 @@ class OMGSState:
         local += [load, 1.0] if load is not None else [0.0, 0.0]
         comm_at = len(local)
         local += self._comm_times.table() if self.measured_comm else self._comm_times.empty_table()
+        two_level_at = len(local)  # a two-level run's: its stages' measured times too
+        if self._subgroups is not None:
+            meter = self._two_level_times
+            local += meter.table() if self.measured_comm else meter.empty_table()
         # one all-gather for the planning row and the per-step timelines (every gather on
         # the autograd thread waits for the slowest rank: fewer is a shorter stall)
         gathered = self._gather_rows(local + self._timeline_table(layout))
@@ -1142,6 +1193,9 @@ class OMGSState:
         dense = self.profile.dense if self.allow_dense else None
         two_level = self._two_level_costs()
         scales = {"sparse": None, "dense": None}
+        # the lines before the flat exchange's measurements: a two-level run prices its
+        # two-level plans by its two-level measurements alone
+        plain_comm, plain_dense = comm, dense
         comm_rows = rows[:, comm_at:comm_at + self._comm_times.table_width]
         if float(comm_rows.abs().max()) > 0:  # gathered: the same decision on every rank
             comm, dense, scales = self._scaled_by_measurement(
@@ -1162,12 +1216,38 @@ class OMGSState:
             dense=dense,
             tail_s=tail_s,
         )
-        # kept for the model check, which refits the correction against this base
-        self._base_instance = (tuple(tuple(b) for b in layout), base, two_level)
+        # a two-level run: the base of its two-level plans, with the lines as they were
+        # before the flat measurements (those scale the flat candidates' base only), and
+        # the link classes scaled by the two-level stages' measured times
+        two_level_base, two_level_scales = base, None
+        if self._subgroups is not None:
+            if comm is not plain_comm or dense is not plain_dense:
+                two_level_base = dataclasses.replace(base, comm=plain_comm, dense=plain_dense)
+            if two_level is not None:
+                meter = self._two_level_times
+                two_level_rows = rows[:, two_level_at:two_level_at + meter.table_width]
+                two_level_scales = {"intra": None, "inter": None, "inter_dense": None}
+                if float(two_level_rows.abs().max()) > 0:  # gathered: the same on every rank
+                    derived = (hierarchical_instance(two_level_base, *two_level).inter_dense_cost()
+                               if two_level[3] is None and plain_dense is not None else None)
+                    two_level, two_level_scales = self._two_level_scaled_by_measurement(
+                        two_level_rows.reshape(self.world_size, meter.window, -1).tolist(),
+                        two_level, derived)
+                    factor = two_level_scales["inter_dense"]
+                    if derived is not None and factor is not None:
+                        # the derived inter-node all-reduce is linear in the flat dense
+                        # line: scaling that line scales it by the same factor
+                        two_level_base = dataclasses.replace(two_level_base, dense=LinearCost(
+                            alpha_s=plain_dense.alpha_s * factor,
+                            beta_s_per_byte=plain_dense.beta_s_per_byte * factor))
+        # kept for the model check, which refits the correction against these bases
+        self._base_instance = (tuple(tuple(b) for b in layout), base, two_level, two_level_base)
         # what the last trial measured beyond the model (plan_selection.Correction)
         instance = _corrected(base, correction)
         # the flat exchange's instance: what a two-level run's flat candidates are priced by
         self._flat_instance = (self._base_instance[0], instance)
+        if two_level_base is not base:
+            instance = _corrected(two_level_base, correction)
         if two_level is not None:
             # the two-level exchange: its sparse groups follow the two-level timeline
             # (reduce-scatter and shard top-k, inter-node then intra-node all-gather);
@@ -1181,7 +1261,8 @@ class OMGSState:
                   "writeback_s": wb_group, "writeback_s_per_element": wb_element,
                   "comm_override": network if network is not self.profile.comm else None,
                   "two_level_model": two_level is not None,
-                  "comm_scale": scales, "measured_step_s": measured_step_s,
+                  "comm_scale": scales, "two_level_scale": two_level_scales,
+                  "measured_step_s": measured_step_s,
                   "forward_load": max(loads) if loads else None}
         return instance, inputs
 
@@ -1197,16 +1278,9 @@ class OMGSState:
         (the others' times include waiting for the last rank to issue). Gathered numbers:
         identical on every rank."""
         factors = {}
+        rows = table.tolist()
         for kind, at, line, bytes_per in (("sparse", 0, comm, 1), ("dense", 3, dense, 4)):
-            found = []
-            if line is not None:
-                for steps in table.tolist():
-                    ratios = [comm_scale(r[at], int(r[at + 1]), r[at + 2] * bytes_per,
-                                         line.alpha_s, line.beta_s_per_byte) for r in steps]
-                    ratios = [f for f in ratios if f is not None]
-                    if ratios:
-                        found.append(statistics.median(ratios))
-            factors[kind] = min(found) if found else None
+            factors[kind] = least_median_factor(rows, at, line, bytes_per)
         if factors["sparse"] is not None:
             comm = LinearCost(alpha_s=comm.alpha_s * factors["sparse"],
                               beta_s_per_byte=comm.beta_s_per_byte * factors["sparse"])
@@ -1214,6 +1288,37 @@ class OMGSState:
             dense = LinearCost(alpha_s=dense.alpha_s * factors["dense"],
                                beta_s_per_byte=dense.beta_s_per_byte * factors["dense"])
         return comm, dense, factors
+
+    @staticmethod
+    def _two_level_scaled_by_measurement(table, two_level, derived_inter_dense=None):
+        """``two_level`` = ``(ranks_per_node, intra, inter, inter_dense)`` with each link
+        class scaled by its measured factor (``measured_comm`` in a two-level run):
+        ``table[rank][step]`` holds every rank's
+        :func:`~omgs_hook.measurements.two_level_comm_sums` of its recent two-level
+        steps (zeros where a rank has fewer). Per class the factor is the one of the
+        flat exchange (:func:`~omgs_hook.measurements.least_median_factor`: per step
+        measured over modelled time, per rank the median, the least over ranks): the
+        intra-node all-gathers against ``intra``, the inter-node sparse all-gathers
+        against ``inter``, the inter-node all-reduces against ``inter_dense`` or, when
+        the profile has none, against ``derived_inter_dense`` (the cost the model
+        derives from the flat dense line; the caller scales that line, and so the
+        derived cost, by the factor: ``inter_dense`` stays None). Returns the scaled
+        tuple and ``{"intra", "inter", "inter_dense"}``, None where nothing was
+        measured. Gathered numbers: identical on every rank."""
+        per_node, intra, inter, inter_dense = two_level
+        dense_line = inter_dense if inter_dense is not None else derived_inter_dense
+        factors = {"intra": least_median_factor(table, 0, intra),
+                   "inter": least_median_factor(table, 3, inter),
+                   "inter_dense": least_median_factor(table, 6, dense_line)}
+
+        def scaled(line, factor):
+            if line is None or factor is None:
+                return line
+            return LinearCost(alpha_s=line.alpha_s * factor,
+                              beta_s_per_byte=line.beta_s_per_byte * factor)
+
+        return (per_node, scaled(intra, factors["intra"]), scaled(inter, factors["inter"]),
+                scaled(inter_dense, factors["inter_dense"])), factors
 
     def _two_level_costs(self):
         """``(ranks_per_node, intra, inter, inter_dense)`` for planning a two-level exchange
@@ -1304,8 +1409,14 @@ class OMGSState:
             "flat_instance": flat_instance.to_dict() if self._compares_exchanges() else None,
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if periodic else None),
+            # (the flat model's plan when the last trial started, for such a flat one)
+            "flat_model_key": ([[list(g) for g in self._flat_model_key[0]],
+                                list(self._flat_model_key[1])]
+                               if periodic and self._flat_model_key is not None else None),
             # a later trial only while all of them stay within the budget
             "retrial_ok": self._retrial_steps + longest <= plan_selection.RETRIAL_SHARE * self.step,
+            # steps that budget has left: a later trial with a flat candidate too must fit
+            "retrial_room": plan_selection.RETRIAL_SHARE * self.step - self._retrial_steps,
         }
         self._totals["replans"] += 1
         self._submit_plan_job(job)
@@ -1365,6 +1476,8 @@ class OMGSState:
             "postponed": self._check_postponed,
             "forward_load": self._planned_with.get("forward_load"),
             "comm_scale": dict(self._planned_with.get("comm_scale") or {}),
+            "two_level_scale": (dict(self._planned_with["two_level_scale"])
+                                if self._planned_with.get("two_level_scale") else None),
             "correction": (self._correction.to_dict()
                            if self._correction is not None and self.select == "measured" else None),
         }
@@ -1383,10 +1496,11 @@ class OMGSState:
         every rank."""
         if self.select != "measured" or self._base_instance is None or not self._last_trial:
             return None
-        base_layout, base, two_level = self._base_instance
+        base_layout, base, two_level, two_level_base = self._base_instance
         if base_layout != tuple(tuple(b) for b in layout) or self._trial_layout != base_layout:
             return None
-        uncorrected = base if two_level is None else hierarchical_instance(base, *two_level)
+        uncorrected = (two_level_base if two_level is None
+                       else hierarchical_instance(two_level_base, *two_level))
         candidates = []
         for c in self._last_trial.get("candidates") or []:
             if c.get("measured_s") is None:
@@ -1402,8 +1516,10 @@ class OMGSState:
         if fit is None:
             return None
         self._correction = fit
-        instance = _corrected(base, fit)
-        if two_level is None or exchange == "flat":
+        if exchange == "flat" or (two_level is None and two_level_base is base):
+            return _corrected(base, fit)
+        instance = _corrected(two_level_base, fit)
+        if two_level is None:
             return instance
         return hierarchical_instance(instance, *_two_level_corrected(two_level, fit))
 
@@ -1438,6 +1554,7 @@ class OMGSState:
             )
         if candidates:
             self._model_key = result["model_key"]
+            self._flat_model_key = result.get("flat_key")
             self._trial_layout = layout
             self._start_trial_from(plan_selection.Trial(candidates, self.step, reason=job["reason"]))
             self._awaiting_overhead = False  # the trial measures the sparse path itself
@@ -1484,9 +1601,13 @@ class OMGSState:
         if exchange.error is not None:
             return
         self.meter.step_finished(exchange.finish_wall)
-        # (a two-level run's flat trial steps are not sampled: its model is two-level)
-        if self.measured_comm and self._subgroups is None and self._on_host():
-            self._comm_times.add(comm_sums(exchange.records))
+        if self.measured_comm and self._on_host():
+            # by the exchange the step ran: a two-level run's flat steps (a flat trial
+            # candidate or winner) measure the flat candidates' model
+            if exchange.subgroups is None:
+                self._comm_times.add(comm_sums(exchange.records))
+            else:
+                self._two_level_times.add(two_level_comm_sums(exchange.records))
         if exchange.density == self.density:  # not in the density warm-up: plans are for this
             for sample in exchange.overhead_samples:
                 self.overhead.add(*sample)
@@ -1822,6 +1943,10 @@ class OMGSState:
             "plan_history": [dict(e) for e in self._plan_history],
             "plan_job": self._plan_job,
             "comm_times": self._comm_times.state_dict(),
+            "two_level_comm_times": self._two_level_times.state_dict(),
+            "flat_model_key": ([[list(g) for g in self._flat_model_key[0]],
+                                list(self._flat_model_key[1])]
+                               if self._flat_model_key is not None else None),
             "step_times": [list(e) for e in self._step_times],
             "check_at": self._check_at,
             "check_postponed": self._check_postponed,
@@ -1900,6 +2025,10 @@ class OMGSState:
                             if sd.get("correction") else None)
         self._plan_history = [dict(e) for e in sd.get("plan_history") or []]
         self._comm_times.load_state_dict(sd.get("comm_times"))
+        self._two_level_times.load_state_dict(sd.get("two_level_comm_times"))
+        key = sd.get("flat_model_key")
+        self._flat_model_key = ((tuple(tuple(g) for g in key[0]), tuple(bool(d) for d in key[1]))
+                                if key else None)
         self._step_times.clear()
         self._step_times.extend((int(a), float(b)) for a, b in sd.get("step_times") or [])
         self._check_at = None if sd.get("check_at") is None else int(sd["check_at"])

@@ -436,22 +436,97 @@ def comm_scale(seconds, count, size, alpha_s, beta_s_per_byte):
     return seconds / modelled
 
 
+def least_median_factor(table, at, line, bytes_per=1):
+    """The ``measured_comm`` factor of one kind of collective from every rank's recent
+    steps: ``table[rank][step]`` is a row of ``(seconds, count, size)`` triples (all
+    zero where a rank has fewer steps), this kind's triple at column ``at``; ``line``
+    the :class:`~omgs_hook.cost_model.LinearCost` that prices it, ``size * bytes_per``
+    its bytes. Per step the measured over the modelled time (:func:`comm_scale`), per
+    rank the median over its steps (one odd step does not move it), then the least over
+    the ranks that have samples (the others' times include waiting for the last rank
+    to issue). None without a line or without samples. Gathered numbers in, so every
+    rank gets the same factor."""
+    if line is None:
+        return None
+    found = []
+    for steps in table:
+        ratios = [comm_scale(r[at], int(r[at + 1]), r[at + 2] * bytes_per,
+                             line.alpha_s, line.beta_s_per_byte) for r in steps]
+        ratios = [f for f in ratios if f is not None]
+        if ratios:
+            found.append(statistics.median(ratios))
+    return min(found) if found else None
+
+
+def two_level_comm_sums(records):
+    """What one two-level step's collectives took, per link class, as the cost model's
+    two-level timeline counts them (docs/hierarchical.md, "Measured collective costs").
+
+    ``records``: the step's groups in issue order, each with ``dense``, ``inter_issued``
+    and ``inter_done`` (host clock: issue and completion of its inter-node collective -
+    the sparse all-gather, or the dense group's all-reduce), ``done`` (the end of the
+    write-back that follows its intra-node all-gather) and ``model_bytes`` (the bytes of
+    those two collectives as the model prices them: ``(k_h * 8, N * k_h * 8)`` for a
+    sparse group, ``(4 S, 4 S)`` for a dense one). The model runs a group's two network
+    stages back to back on one network chain, after the previous group's: so the
+    group's network time starts at ``start = max(inter_issued, previous done)``; the
+    inter-node collective counts ``inter_done - start`` and the intra-node all-gather
+    (with the wait until it is issued, at the next hook call, and the write-back)
+    ``done - max(inter_done, start)``, each clamped at zero. The intra-node
+    reduce-scatter is not counted: gloo's reduce-scatter has no future to time its
+    completion by, and the wait for it at the next hook call includes that bucket's
+    backward.
+
+    Returns ``(intra_s, intra_count, intra_bytes, inter_s, inter_count, inter_bytes,
+    inter_dense_s, inter_dense_count, inter_dense_bytes)`` - the intra-node all-gathers
+    of sparse and dense groups together, the inter-node sparse all-gathers, the
+    inter-node all-reduces -, or None when a record lacks a time (a failed step, a
+    flat group)."""
+    out = [0.0, 0, 0, 0.0, 0, 0, 0.0, 0, 0]
+    previous = None
+    for r in records:
+        issued, inter_done = getattr(r, "inter_issued", None), getattr(r, "inter_done", None)
+        done, sizes = getattr(r, "done", None), getattr(r, "model_bytes", None)
+        if issued is None or inter_done is None or done is None or sizes is None:
+            return None
+        start = issued if previous is None else max(issued, previous)
+        inter_s = max(0.0, inter_done - start)
+        intra_s = max(0.0, done - max(inter_done, start))
+        previous = done if previous is None else max(previous, done)
+        at = 6 if r.dense else 3
+        out[at] += inter_s
+        out[at + 1] += 1
+        out[at + 2] += int(sizes[0])
+        out[0] += intra_s
+        out[1] += 1
+        out[2] += int(sizes[1])
+    return tuple(out)
+
+
 class CommTimeMeter:
-    """The last ``window`` steps' :func:`comm_sums`, summed on demand.
+    """The last ``window`` steps' :func:`comm_sums` (or, with ``kinds=3``, a two-level
+    run's :func:`two_level_comm_sums`), summed on demand.
 
     The hook uses them to scale the profile's collective costs to what this run's
     collectives really take (``measured_comm``): the profile is measured alone, but in
     training an all-reduce or many small all-gathers run while backward uses the same
     cores (gloo) or the same GPU (NCCL), and the network itself may have changed.
+    A step's row is ``kinds`` triples ``(seconds, count, size)``.
     """
 
-    def __init__(self, window=16):
+    def __init__(self, window=16, kinds=2):
         if window < 1:
             raise ValueError("window must be >= 1")
+        if kinds < 1:
+            raise ValueError("kinds must be >= 1")
         self._steps = collections.deque(maxlen=window)
+        self.table_width_per_step = 3 * kinds
 
     def add(self, sums):
         if sums is not None:
+            if len(sums) != self.table_width_per_step:
+                raise ValueError(f"a step of {len(sums)} numbers, expected "
+                                 f"{self.table_width_per_step}")
             self._steps.append(tuple(sums))
 
     def clear(self):
@@ -459,8 +534,6 @@ class CommTimeMeter:
 
     def __len__(self):
         return len(self._steps)
-
-    table_width_per_step = 6
 
     @property
     def window(self):
@@ -480,9 +553,10 @@ class CommTimeMeter:
         return [0.0] * self.table_width
 
     def totals(self):
-        """``(sparse_s, sparse_count, sparse_bytes, dense_s, dense_count, dense_elements)``
-        summed over the window (zeros when empty)."""
-        out = [0.0, 0, 0, 0.0, 0, 0]
+        """Each of the row's numbers summed over the window (zeros when empty): for
+        :func:`comm_sums` ``(sparse_s, sparse_count, sparse_bytes, dense_s, dense_count,
+        dense_elements)``."""
+        out = [0.0 if i % 3 == 0 else 0 for i in range(self.table_width_per_step)]
         for row in self._steps:
             out = [a + b for a, b in zip(out, row)]
         return tuple(out)
@@ -493,5 +567,9 @@ class CommTimeMeter:
     def load_state_dict(self, sd):
         self.clear()
         for row in (sd or {}).get("steps", []):
-            s_s, s_n, s_b, d_s, d_n, d_e = row
-            self._steps.append((float(s_s), int(s_n), int(s_b), float(d_s), int(d_n), int(d_e)))
+            if len(row) != self.table_width_per_step:
+                raise ValueError(f"comm times: a step of {len(row)} numbers, expected "
+                                 f"{self.table_width_per_step}")
+            # (seconds, count, size) triples
+            self._steps.append(tuple(float(x) if i % 3 == 0 else int(x)
+                                     for i, x in enumerate(row)))
