@@ -222,11 +222,13 @@ def _check_instance(inst, rng):
 
 @pytest.fixture(params=[1, None], ids=["prune-every-target", "default-pruning"])
 def pruning(request, monkeypatch):
-    """Run the exact search with its pruning rules applied at every target and the
-    candidate pre-filter (_undominated) on every candidate set (so that small instances
-    exercise them), and with the default schedule."""
+    """Run the exact searches with their pruning rules applied at every target (forward)
+    and suffix start (backward) and the candidate pre-filter (_undominated) on every
+    candidate set (so that small instances exercise them), and with the default
+    schedule."""
     if request.param is not None:
         monkeypatch.setattr(planner._FrontierSearch, "_PRUNE_EVERY", request.param)
+        monkeypatch.setattr(planner, "_RETIRE_EVERY", request.param)
         monkeypatch.setattr(planner, "_PREFILTER_SIZE", 1)
     return request.param
 

@@ -1235,6 +1235,10 @@ class _FrontierSearch:
         return tuple(reversed(bounds)), tuple(reversed(flags))
 
 
+# The backward search retires live states (its rules 2 and 3) at every this many
+# suffix starts.
+_RETIRE_EVERY = 8
+
 # Candidate sets larger than this are thinned by _undominated before the sort.
 _PREFILTER_SIZE = 2048
 
@@ -1366,6 +1370,11 @@ class _SuffixSearch:
        ``G_B > G_A``), once ``G_B <= Y + Ys_A`` for the group ``s..t-1`` (in both modes),
        ``B``'s image is no worse than ``A``'s in both coordinates, and stays so for
        every later (smaller) ``s``, since ``Y`` only grows: ``A`` is dropped.
+
+    Rules 2 and 3 are permanent, so they run every :data:`_RETIRE_EVERY` suffix starts
+    only: a state they would have dropped earlier only yields a few more candidates,
+    which can neither lead below the bound (rule 2) nor beat those of the state that
+    dominates it (rule 3).
 
     **Join to known prefixes.** Given ``prefix_states`` (actual groupings' ``(c, e)``
     per prefix, e.g. the beam's), every front created at ``s`` is joined to the states
@@ -1659,6 +1668,14 @@ class _SuffixSearch:
                 final_id = int(ids[int(np.argmin(new_g))])  # first minimum wins ties
                 break
 
+            if s % _RETIRE_EVERY:
+                # rules 2 and 3 are permanent, so they run every few suffix starts only
+                if count:
+                    T = np.concatenate((T, np.full(count, s, np.int64)))
+                    YS = np.concatenate((YS, new_y))
+                    G = np.concatenate((G, new_g))
+                    ID = np.concatenate((ID, ids))
+                continue
             # rule 2: retire live states that can never again lead below the bound
             c_floor = self.prefix_compute_no_c0[s]
             c_at = self.compute_at[T]
