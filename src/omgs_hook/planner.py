@@ -831,9 +831,11 @@ class _FrontierSearch:
     The plan is the best priced one, unless a candidate at ``L`` is better.
 
     **Beam.** With ``beam``, or ``then_beam`` once the budget is spent, the search is a
-    heuristic: it keeps the ``beam`` states per target with the least lower bound and
-    at most ``beam_live`` live states, and records the states it keeps per target in
-    :attr:`beam_states` (for the backward search's join).
+    heuristic: it keeps (at most) the ``beam`` non-dominated states per target with the
+    least lower bound, chosen among the ``2 * beam`` candidates with the least bound
+    without sorting the rest (:meth:`_beam_select`), and at most ``beam_live`` live
+    states, and records the states it keeps per target in :attr:`beam_states` (for the
+    backward search's join).
 
     **Exact fronts.** While a search over free groups without a join is still exact, it
     records the front created at every target in :attr:`exact_fronts` (and keeps the
@@ -1068,6 +1070,8 @@ class _FrontierSearch:
                                   int(front_ids[j]))
                         limit = min(limit, best_join + tie)
                 viable = np.zeros(size, dtype=bool)  # none is stored
+            elif beam is not None:
+                viable = None  # the beam's own selection, below
             # rule 1 first: candidates that cannot beat the known plan (their images
             # cannot either, the bound only grows along a plan) are not even sorted
             elif sparse_only:
@@ -1075,7 +1079,9 @@ class _FrontierSearch:
                 viable &= cand_c <= cpu_limit[t]
             else:
                 viable = self.lower_bound(t, cand_c, cand_e) <= limit
-            if np.count_nonzero(viable) == size:  # (ndarray.all() is slower on tiny arrays)
+            if viable is None:
+                chosen, new_c, new_e = self._beam_select(t, cand_c, cand_e, beam, limit)
+            elif np.count_nonzero(viable) == size:  # (ndarray.all() is slower on tiny arrays)
                 pool = None
             else:
                 pool = np.flatnonzero(viable)
@@ -1084,25 +1090,24 @@ class _FrontierSearch:
 
             # Pareto front: sort by c (stable, so earlier candidates win ties) and keep a
             # state when its e is clearly below the e of every state before it
-            if size > _PREFILTER_SIZE:
+            if viable is None:
+                pass  # the beam chose already
+            elif size > _PREFILTER_SIZE:
                 kept = _undominated(cand_c, cand_e)
                 if kept.size < size:
                     cand_c, cand_e = cand_c[kept], cand_e[kept]
                     pool = kept if pool is None else pool[kept]
                     size = kept.size
-            if size > 1:
+            if viable is None:
+                pass
+            elif size > 1:
                 chosen, new_c, new_e = _pareto_front(
                     cand_c, cand_e, cand_c.argsort(kind="stable"), tie)
             else:
                 chosen = np.zeros(size, np.int64)
                 new_c, new_e = cand_c, cand_e
-            if pool is not None:
+            if viable is not None and pool is not None:
                 chosen = pool[chosen]  # back to candidate numbers
-            if beam is not None and chosen.size > beam:
-                # heuristic mode: keep the most promising states, still sorted by c
-                bound = self.lower_bound(t, new_c, new_e)
-                best = np.sort(bound.argsort(kind="stable")[:beam])
-                chosen, new_c, new_e = chosen[best], new_c[best], new_e[best]
             count = chosen.size
             if beam is not None:
                 self.beam_states[t] = (new_c, new_e)
@@ -1189,6 +1194,40 @@ class _FrontierSearch:
             states[:, :kept] = states[:, :live][:, keep]
             ids[:kept] = ids[:live][keep]
         return kept
+
+    def _beam_select(self, t, cand_c, cand_e, beam, limit):
+        """Beam mode: of the candidates whose lower bound is within ``limit``, the
+        (at most) ``beam`` non-dominated ones with the least bound, sorted by ``c``
+        (a heuristic; every one is an actual grouping's state). Looks at the ``2 * beam``
+        candidates with the least bound only: dominated ones have no smaller bound than
+        the candidate that dominates them, so few are lost."""
+        bound = self.lower_bound(t, cand_c, cand_e)
+        if bound.size > 2 * beam:
+            pick = np.sort(np.argpartition(bound, 2 * beam)[:2 * beam])
+        else:
+            pick = np.arange(bound.size)
+        pick = pick[bound[pick] <= limit]
+        if pick.size == 0:
+            return pick, cand_c[pick], cand_e[pick]
+        c_list = cand_c[pick].tolist()
+        e_list = cand_e[pick].tolist()
+        b_list = bound[pick].tolist()
+        tie = self.tie
+        # the Pareto front of the few, as _pareto_front takes it (stable by c)
+        order = sorted(range(len(c_list)), key=c_list.__getitem__)
+        front = []
+        least_e = math.inf
+        for i in order:
+            if e_list[i] < least_e - tie:
+                front.append(i)
+            least_e = min(least_e, e_list[i])
+        front = [i for k, i in enumerate(front)
+                 if k + 1 == len(front) or c_list[front[k + 1]] - c_list[i] > tie]
+        if len(front) > beam:
+            best = sorted(sorted(range(len(front)), key=lambda k: b_list[front[k]])[:beam])
+            front = [front[k] for k in best]
+        chosen = pick[front]
+        return chosen, cand_c[chosen], cand_e[chosen]
 
     def _thin_beam(self, states, ids, live, t):
         """Beam mode only: keep the ``beam_live`` live states whose images at target
