@@ -505,6 +505,9 @@ _LINEAR_START_FACTOR = 4
 _RACE_GROWTH = 4
 # States kept per prefix by the beam search that supplies upper bounds.
 _BEAM_WIDTH = 4
+# The beam looks at this many times its width candidates per target (those with the
+# least bound; see _FrontierSearch._beam_select).
+_BEAM_PICK = 2
 # Live states the beam search keeps at most (the most promising by lower bound): a beam
 # whose live set grows with the prefixes costs more than the exact search it prepares.
 _BEAM_LIVE = 256
@@ -831,11 +834,12 @@ class _FrontierSearch:
     The plan is the best priced one, unless a candidate at ``L`` is better.
 
     **Beam.** With ``beam``, or ``then_beam`` once the budget is spent, the search is a
-    heuristic: it keeps (at most) the ``beam`` non-dominated states per target with the
-    least lower bound, chosen among the ``2 * beam`` candidates with the least bound
-    without sorting the rest (:meth:`_beam_select`), and at most ``beam_live`` live
-    states, and records the states it keeps per target in :attr:`beam_states` (for the
-    backward search's join).
+    heuristic: it keeps the ``beam`` states of each target's front with the least lower
+    bound (without a dense cost, where the beam only supplies bounds: at most ``beam``
+    non-dominated ones among the ``2 * beam`` candidates with the least bound, without
+    sorting the rest, :meth:`_beam_select`) and at most ``beam_live`` live states, and
+    records the states it keeps per target in :attr:`beam_states` (for the backward
+    search's join).
 
     **Exact fronts.** While a search over free groups without a join is still exact, it
     records the front created at every target in :attr:`exact_fronts` (and keeps the
@@ -1070,7 +1074,9 @@ class _FrontierSearch:
                                   int(front_ids[j]))
                         limit = min(limit, best_join + tie)
                 viable = np.zeros(size, dtype=bool)  # none is stored
-            elif beam is not None:
+            elif beam is not None and sparse_only:
+                # (with a dense cost the beam's plan may be the one returned at the
+                # budget: there it keeps the full selection below)
                 viable = None  # the beam's own selection, below
             # rule 1 first: candidates that cannot beat the known plan (their images
             # cannot either, the bound only grows along a plan) are not even sorted
@@ -1108,6 +1114,11 @@ class _FrontierSearch:
                 new_c, new_e = cand_c, cand_e
             if viable is not None and pool is not None:
                 chosen = pool[chosen]  # back to candidate numbers
+            if viable is not None and beam is not None and chosen.size > beam:
+                # heuristic mode: keep the most promising states, still sorted by c
+                bound = self.lower_bound(t, new_c, new_e)
+                best = np.sort(bound.argsort(kind="stable")[:beam])
+                chosen, new_c, new_e = chosen[best], new_c[best], new_e[best]
             count = chosen.size
             if beam is not None:
                 self.beam_states[t] = (new_c, new_e)
@@ -1202,8 +1213,9 @@ class _FrontierSearch:
         candidates with the least bound only: dominated ones have no smaller bound than
         the candidate that dominates them, so few are lost."""
         bound = self.lower_bound(t, cand_c, cand_e)
-        if bound.size > 2 * beam:
-            pick = np.sort(np.argpartition(bound, 2 * beam)[:2 * beam])
+        few = _BEAM_PICK * beam
+        if bound.size > few:
+            pick = np.sort(np.argpartition(bound, few)[:few])
         else:
             pick = np.arange(bound.size)
         pick = pick[bound[pick] <= limit]
