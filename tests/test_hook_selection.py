@@ -132,8 +132,8 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
 
 class SpellClock(FakeClock):
     """FakeClock with a load spell over the first turn of the trial's would-be winner:
-    its first 3 steps (the settle step and both counted screen steps) take 50 ms longer
-    on every rank, and the load probe (10 ms quiet) reads twice as long there. The real
+    its first 3 steps (the settle step and both counted screen steps) take twice as
+    long on every rank, and so does the load probe (10 ms quiet). The real
     forward times the hook offered as probes are kept in ``real``."""
 
     def __init__(self, state, rank):
@@ -148,7 +148,7 @@ class SpellClock(FakeClock):
         self.in_spell = (trial is not None and plan is not None
                          and plan.strategy == self.victim and self.hits < 3)
         self.hits += self.in_spell
-        self.now += self.rate * (fake_cost(self.rank, plan) + (0.05 if self.in_spell else 0.0))
+        self.now += self.rate * fake_cost(self.rank, plan) * (2.0 if self.in_spell else 1.0)
         return self.now
 
     def probe(self):

@@ -389,6 +389,19 @@ def test_a_load_spell_over_the_best_candidates_screen_turn_is_retaken():
     assert off["winner"] == blind["winner"] and off["candidates"] == blind["candidates"]
 
 
+def test_a_disturbed_candidate_that_could_not_contend_is_not_retaken():
+    # "d" is 2.5x slower than the best; a 1.8x spell over its turn (steps 10-11) cannot
+    # explain that, so its turn is not run again; the same spell over "b" is retaken
+    times = [[0.100, 0.090, 0.105, 0.250]]
+    cands = [cand(n, [[0]] * (i + 1)) for i, n in enumerate("abcd")]
+    probe, extra = spell_over({10, 11})
+    report = run_trial(Trial(cands, 0), times, probe=probe, extra=extra)
+    assert report["retaken"] == [] and report["winner"] == "b"
+    assert {c["name"]: c["disturbed"] for c in report["candidates"]}["d"] == 2
+    probe, extra = spell_over({4, 5})
+    assert run_trial(Trial(cands, 0), times, probe=probe, extra=extra)["retaken"] == ["b"]
+
+
 def test_each_rank_is_judged_against_its_own_forward_time():
     # rank 1's forward is always 3x rank 0's (a slower host): not a spell. A spell on
     # rank 1 alone slows the collective step, and is seen there.
@@ -420,10 +433,10 @@ def test_retakes_are_bounded_and_a_disturbed_retake_keeps_the_lower_median():
     # retake fallback: both sets disturbed, the lower median stays
     t = Trial(three()[:2], 0, measure=2, confirm=2, confirm_window=0.0, max_retakes=1)
     quiet = [0.01, 0.01, 0.01, 0.01]
-    assert t.finish_round([[1.0, 1.0, 2.0, 2.0] + quiet[:2] + [0.02, 0.02]], 6) is None
+    assert t.finish_round([[1.0, 1.0, 1.2, 1.2] + quiet[:2] + [0.02, 0.02]], 6) is None
     assert t.report()["retaken"] == ["sparse"] and t.round_kinds[-1] == "retake"
     assert t.finish_round([[2.5, 2.5, 0.03, 0.03]], 9) == 0  # disturbed again, slower
-    assert t.round_samples[0][1] == [2.0, 2.0]  # the lower of the two kept
+    assert t.round_samples[0][1] == [1.2, 1.2]  # the lower of the two kept
     assert report["winner"] in "abcde"
 
 

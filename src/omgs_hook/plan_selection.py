@@ -298,8 +298,11 @@ class Trial:
     ones in the round; a candidate with none gets a *retake*: a round of its own right
     after, ``confirm`` counted steps, whose samples then stand in for it in the round
     (or, when the retake was disturbed too, whichever of the two sets has the lower
-    median: a spell only slows a step down). At most ``max_retakes`` candidate turns
-    per trial are retaken, so the budget stays bounded (:func:`trial_steps_bound`).
+    median: a spell only slows a step down). A candidate is not retaken when even its
+    samples divided by their load (as if the whole step had slowed with its forward: a
+    lower bound of its quiet time) are beyond ``confirm_window`` of the round's best
+    undisturbed candidate: it could not contend. At most ``max_retakes`` candidate
+    turns per trial are retaken, so the budget stays bounded (:func:`trial_steps_bound`).
     Without probes (NaN: e.g. on CUDA, where the host clock would time launches) no
     step is disturbed and the trial is the plain three-round one.
 
@@ -460,9 +463,9 @@ class Trial:
             raise ValueError(f"expected rows of {2 * width} numbers, got {[len(r) for r in rows]}")
         probe_rows = [r[width:] or [math.nan] * width for r in rows]
         loads = self._step_loads(probe_rows)
-        this_round, all_disturbed = {}, []
+        this_round, all_disturbed, quiet_bound = {}, [], {}
         for position, index in enumerate(self.rounds[-1]):
-            raw, clean = [], []
+            raw, clean, bound = [], [], []
             for j in range(counted):
                 column = [r[position * counted + j] for r in rows]
                 known = [x for x in column if not math.isnan(x)]
@@ -471,9 +474,12 @@ class Trial:
                 self.disturbed[index] += disturbed
                 raw.append(x)
                 clean.append(math.nan if disturbed else x)
+                if disturbed:  # as if the whole step had slowed with its forward
+                    bound.append(x / loads[position * counted + j])
             self.samples[index].extend(raw)
             if any(not math.isnan(x) for x in raw) and all(math.isnan(x) for x in clean):
                 all_disturbed.append(index)
+                quiet_bound[index] = _median(bound)
                 this_round[index] = raw  # the best there is, unless a retake does better
             else:
                 this_round[index] = clean
@@ -485,7 +491,15 @@ class Trial:
                     retaken[index] = samples
         else:
             self.round_samples.append(this_round)
-            retake = all_disturbed[:self.max_retakes - self.retakes_used]
+            # a candidate that could not contend even if its whole step had slowed with
+            # its forward (the network part did not: a lower bound of its quiet time) is
+            # not worth a retake
+            best = min((_median(v) for i, v in this_round.items() if i not in all_disturbed),
+                       default=math.inf)
+            hopeless = [i for i in all_disturbed
+                        if quiet_bound[i] > best * (1.0 + self.confirm_window)]
+            retake = [i for i in all_disturbed if i not in hopeless]
+            retake = retake[:self.max_retakes - self.retakes_used]
             if retake and len(self.rounds[-1]) > 1:
                 self.retakes_used += len(retake)
                 self._next_round(RETAKE, sorted(retake), step)
