@@ -379,6 +379,42 @@ def _prefix_states_of_random_plans(inst, rng, count):
     return states
 
 
+@pytest.mark.parametrize("c2", ["zero", "positive"])
+def test_the_retirement_compute_floor_bounds_every_earlier_group_start(c2):
+    """Rule 2 of the backward search prices a live state at t with the compute floor
+    C0(s) + X(s..t) for every group s'..t-1 with s' <= s: by brute force over all
+    groupings of 0..s'-1, the least compute at s' plus X(s'..t) is never below it (and
+    with c2 > 0 the floor is often above the one-unit sums it replaced)."""
+    rng = np.random.default_rng(401 + (c2 == "positive"))
+    above = 0
+    for _ in range(40):
+        inst = random_instance(rng, int(rng.integers(2, 10)), dense=False)
+        c2_value = 0.0 if c2 == "zero" else _log_uniform(rng, 1e-14, 1e-10)
+        inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=c2_value))
+        numel, backward = _arrays(inst)
+        L = inst.num_units
+        t_ = inst.topk
+
+        def x(a, b):  # compute of one sparse group a..b-1
+            d = numel[a:b].sum()
+            return backward[a:b].sum() + t_.c0 + t_.c1 * d + t_.c2 * d * math.log2(d)
+
+        least = [0.0] + [math.inf] * L  # least compute of any grouping of 0..s-1
+        for b in range(1, L + 1):
+            least[b] = min(least[a] + x(a, b) for a in range(b))
+        floor = planner._SuffixSearch(inst, math.inf).prefix_compute_no_c0
+        singles = np.concatenate(([0.0], np.cumsum(
+            backward + (t_.c1 + t_.c2 * np.log2(numel)) * numel)))
+        for t in range(1, L + 1):
+            for s in range(t):
+                priced = floor[s] + x(s, t)
+                for s2 in range(s + 1):
+                    assert least[s2] + x(s2, t) >= priced * (1 - 1e-12) - 1e-18
+        above += sum(floor[s] > singles[s] * (1 + 1e-9) for s in range(1, L))
+    # (with c2 = 0 one group has the least top-k time, and the two floors agree)
+    assert above > 40 if c2 == "positive" else above == 0
+
+
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 @pytest.mark.parametrize("c2", ["zero", "positive"])
 def test_backward_search_joined_to_known_prefixes_stays_exact(dense, c2):

@@ -1412,11 +1412,16 @@ class _SuffixSearch:
     2. *Retirement.* A live state at ``t`` yields a candidate at every ``s < t``. For
        group ``s..t-1`` and every plan through it, the final time is at least
        ``M(s) = max(C0(s) + X + max(Y + Ys, G), R(s) + Y0 + Ys)`` (``C0`` is ``C``
-       without ``c0``; ``Y0`` is ``Y`` without the rounding up of ``k``; ``R(s)``
-       prices the prefix's bytes at the cheapest rate). ``M`` never decreases as ``s``
-       moves left: ``X`` grows at least as fast as ``C0`` shrinks (``D log D`` is
-       superadditive), ``Y`` and ``Y0`` grow at least as fast as ``R`` shrinks. Once
-       ``M`` exceeds the bound in every mode, the state is dropped for good.
+       less one ``c0``, or the sum of the prefix's one-unit top-k terms without
+       ``c0`` where that is more; ``Y0`` is ``Y`` without the rounding up of ``k``;
+       ``R(s)`` prices the prefix's bytes at the cheapest rate). ``M(s)`` bounds the
+       plans through every group ``s'..t-1`` with ``s' <= s``, not only ``s``: ``Y``
+       and ``Y0`` grow at least as fast as ``R`` shrinks, ``X`` at least as fast as the
+       one-unit sums shrink (``D log D`` is superadditive), and with ``f(D) = c1 D +
+       c2 D log2 D`` (superadditive) and ``lt`` the least top-k time of a prefix,
+       ``lt(s) <= lt(s') + c0 + f(D(s'..s))`` and ``X(s'..t) >= B(s'..s) + X(s..t) +
+       f(D(s'..s))``, so ``C(s') + X(s'..t) >= C(s) - c0 + X(s..t)``. Once ``M``
+       exceeds the bound in every mode, the state is dropped for good.
     3. *Same suffix.* For two states of one front with ``Ys_B < Ys_A`` (so
        ``G_B > G_A``), once ``G_B <= Y + Ys_A`` for the group ``s..t-1`` (in both modes),
        ``B``'s image is no worse than ``A``'s in both coordinates, and stays so for
@@ -1510,6 +1515,10 @@ class _SuffixSearch:
             if least_topk is None:
                 least_topk = _least_topk_time(inst, self.numel_prefix)
             compute = self.backward_prefix + least_topk
+            # less one c0, the least compute bounds every group s'..t-1 with s' <= s
+            # (rule 2); it is never below the one-unit sums
+            np.maximum(compute_no_c0, compute - inst.topk.c0, out=compute_no_c0)
+            compute_no_c0[0] = 0.0
         else:
             dense_rate = inst.dense.beta_s_per_byte * inst.value_bytes
             self.alpha_min = min(inst.comm.alpha_s, inst.dense.alpha_s)
