@@ -24,6 +24,17 @@ from omgs_hook.topology import Topology, resolve_topology
 DENSITY = 0.05
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
+#: a profile with both link classes (and a measured inter-node all-reduce), so the
+#: planner models the two-level exchange
+TWO_LEVEL_PROFILE = {
+    "schema_version": 1, "world_size": WORLD, "backend": "gloo", "device": "cpu",
+    "comm": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7},
+    "dense": {"alpha_s": 5e-4, "beta_s_per_byte": 4e-7},
+    "topk": {"backend": "sampled", "c0": 2e-4, "c1": 3e-9, "c2": 0.0},
+    "ranks_per_node": PER_NODE,
+    "intra": {"alpha_s": 2e-5, "beta_s_per_byte": 1e-10},
+    "inter": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7},
+    "inter_dense": {"alpha_s": 9e-4, "beta_s_per_byte": 6e-7}}
 
 
 class Net(nn.Module):
@@ -455,15 +466,7 @@ def test_two_level_matches_reference_across_plan_changes(tmp_path):
     # plans between steps (shard boundaries move, residuals migrate). The profile has
     # both link classes, so the planner models the two-level exchange.
     profile = tmp_path / "two_level.json"
-    profile.write_text(json.dumps({
-        "schema_version": 1, "world_size": WORLD, "backend": "gloo", "device": "cpu",
-        "comm": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7},
-        "dense": {"alpha_s": 5e-4, "beta_s_per_byte": 4e-7},
-        "topk": {"backend": "sampled", "c0": 2e-4, "c1": 3e-9, "c2": 0.0},
-        "ranks_per_node": PER_NODE,
-        "intra": {"alpha_s": 2e-5, "beta_s_per_byte": 1e-10},
-        "inter": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7},
-        "inter_dense": {"alpha_s": 9e-4, "beta_s_per_byte": 6e-7}}))
+    profile.write_text(json.dumps(TWO_LEVEL_PROFILE))
     results = run_ranks("test_hierarchical", "reference_worker", world_size=WORLD, timeout=130,
                         hook_options={"strategy": "optimal", "warmup_steps": 1,
                                       "profile": str(profile)},

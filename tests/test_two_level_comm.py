@@ -22,6 +22,7 @@ from omgs_hook.cost_model import (Instance, LinearCost, TopkCost, Unit, hierarch
 from omgs_hook.hook import OMGSState, _compute_plan
 from omgs_hook.measurements import (CommTimeMeter, least_median_factor, two_level_comm_sums)
 from omgs_hook.plan_selection import trial_steps_bound
+from test_hierarchical import TWO_LEVEL_PROFILE
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
@@ -220,15 +221,7 @@ def test_a_flat_optimum_the_model_prices_far_above_the_best_is_pruned():
 
 
 # ----------------------------------------------------------------------- under real DDP
-PROFILE = {
-    "schema_version": 1, "world_size": WORLD, "backend": "gloo", "device": "cpu",
-    "comm": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7},
-    "dense": {"alpha_s": 5e-4, "beta_s_per_byte": 4e-7},
-    "topk": {"backend": "sampled", "c0": 2e-4, "c1": 3e-9, "c2": 0.0},
-    "ranks_per_node": PER_NODE,
-    "intra": {"alpha_s": 2e-5, "beta_s_per_byte": 1e-10},
-    "inter": {"alpha_s": 7e-4, "beta_s_per_byte": 4e-7},
-    "inter_dense": {"alpha_s": 9e-4, "beta_s_per_byte": 6e-7}}
+PROFILE = TWO_LEVEL_PROFILE
 
 
 def fake_cost(plan):
