@@ -1209,37 +1209,40 @@ class _FrontierSearch:
     def _beam_select(self, t, cand_c, cand_e, beam, limit):
         """Beam mode: of the candidates whose lower bound is within ``limit``, the
         (at most) ``beam`` non-dominated ones with the least bound, sorted by ``c``
-        (a heuristic; every one is an actual grouping's state). Looks at the ``2 * beam``
-        candidates with the least bound only: dominated ones have no smaller bound than
-        the candidate that dominates them, so few are lost."""
+        (a heuristic; every one is an actual grouping's state). Looks at the
+        ``_BEAM_PICK * beam`` candidates with the least bound only: dominated ones have
+        no smaller bound than the candidate that dominates them, so few are lost. The
+        few are handled in Python (numpy calls on tiny arrays cost more)."""
         bound = self.lower_bound(t, cand_c, cand_e)
         few = _BEAM_PICK * beam
         if bound.size > few:
-            pick = np.sort(np.argpartition(bound, few)[:few])
+            pick = np.argpartition(bound, few)[:few]
         else:
             pick = np.arange(bound.size)
-        pick = pick[bound[pick] <= limit]
-        if pick.size == 0:
-            return pick, cand_c[pick], cand_e[pick]
         c_list = cand_c[pick].tolist()
         e_list = cand_e[pick].tolist()
         b_list = bound[pick].tolist()
+        # by c, equal c by candidate number (the stable order of _pareto_front)
+        items = sorted(zip(c_list, pick.tolist(), e_list, b_list))
         tie = self.tie
-        # the Pareto front of the few, as _pareto_front takes it (stable by c)
-        order = sorted(range(len(c_list)), key=c_list.__getitem__)
         front = []
         least_e = math.inf
-        for i in order:
-            if e_list[i] < least_e - tie:
-                front.append(i)
-            least_e = min(least_e, e_list[i])
-        front = [i for k, i in enumerate(front)
-                 if k + 1 == len(front) or c_list[front[k + 1]] - c_list[i] > tie]
+        for item in items:
+            if item[3] <= limit:
+                e = item[2]
+                if e < least_e - tie:
+                    front.append(item)
+                if e < least_e:
+                    least_e = e
+        # of states whose c is equal up to the tie, only the later one (as _pareto_front)
+        front = [item for k, item in enumerate(front)
+                 if k + 1 == len(front) or front[k + 1][0] - item[0] > tie]
         if len(front) > beam:
-            best = sorted(sorted(range(len(front)), key=lambda k: b_list[front[k]])[:beam])
+            best = sorted(sorted(range(len(front)), key=lambda k: front[k][3])[:beam])
             front = [front[k] for k in best]
-        chosen = pick[front]
-        return chosen, cand_c[chosen], cand_e[chosen]
+        chosen = np.array([item[1] for item in front], dtype=np.int64)
+        return (chosen, np.array([item[0] for item in front]),
+                np.array([item[2] for item in front]))
 
     def _thin_beam(self, states, ids, live, t):
         """Beam mode only: keep the ``beam_live`` live states whose images at target
