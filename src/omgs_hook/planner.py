@@ -893,6 +893,7 @@ class _FrontierSearch:
         else:
             self.targets = [int(b) for b in boundaries]
             self.fixed = True
+        self._rest_cpu = None
         self._prepare_bound(numel, backward)
 
     # -- rule 1: the lower bound of every completion -----------------------------------
@@ -929,23 +930,34 @@ class _FrontierSearch:
         """Lower bound on the final ``e_m`` of any completion of states at prefix ``t``."""
         if t == self.inst.num_units:
             return e
-        rest_numel = self.rest_numel[t]
+        if self._rest_cpu is None:  # per-prefix terms as Python floats (same values)
+            self._rest_numel_list = self.rest_numel.tolist()
+            self._rest_cpu = (
+                self.rest_backward + self.rest_topk + self.last_topk + self.alpha_min
+            ).tolist()
+            self._topk_saving_list = self.topk_saving.tolist()
+        rest_numel = self._rest_numel_list[t]
         network = e + (self.alpha_min + self.sparse_bytes_time * rest_numel)
-        compute = c + (
-            self.rest_backward[t] + self.rest_topk[t] + self.last_topk + self.alpha_min
-        )
+        compute = c + self._rest_cpu[t]
         if self.extra_per_dense_element is None:
             return np.maximum(network, compute)
         # d elements sent dense: network + extra * d versus compute - saving * d
         extra = self.extra_per_dense_element
-        saving = self.topk_saving[t]
-        bound = np.minimum(
-            np.maximum(network, compute),
-            np.maximum(network + extra * rest_numel, compute - saving * rest_numel),
-        )
+        saving = self._topk_saving_list[t]
+        bound = np.maximum(network, compute)
+        np.minimum(bound, np.maximum(network + extra * rest_numel,
+                                     compute - saving * rest_numel), out=bound)
         if extra + saving > 0:
-            d = np.clip((compute - network) / (extra + saving), 0.0, rest_numel)
-            bound = np.minimum(bound, np.maximum(network + extra * d, compute - saving * d))
+            d = compute - network
+            d /= extra + saving
+            np.maximum(d, 0.0, out=d)  # (np.clip, without its overhead)
+            np.minimum(d, rest_numel, out=d)
+            more_network = extra * d
+            more_network += network
+            d *= saving
+            np.subtract(compute, d, out=d)
+            np.maximum(more_network, d, out=more_network)
+            np.minimum(bound, more_network, out=bound)
         return bound
 
     # -- the search -------------------------------------------------------------------
@@ -1084,7 +1096,8 @@ class _FrontierSearch:
                 viable = cand_e <= net_limit[t]
                 viable &= cand_c <= cpu_limit[t]
             else:
-                viable = self.lower_bound(t, cand_c, cand_e) <= limit
+                candidate_bound = self.lower_bound(t, cand_c, cand_e)
+                viable = candidate_bound <= limit
             if viable is None:
                 chosen, new_c, new_e = self._beam_select(t, cand_c, cand_e, beam, limit)
             elif np.count_nonzero(viable) == size:  # (ndarray.all() is slower on tiny arrays)
@@ -1116,7 +1129,9 @@ class _FrontierSearch:
                 chosen = pool[chosen]  # back to candidate numbers
             if viable is not None and beam is not None and chosen.size > beam:
                 # heuristic mode: keep the most promising states, still sorted by c
-                bound = self.lower_bound(t, new_c, new_e)
+                # (their bounds are among the candidates' - with a dense cost; without
+                # one the lean selection above chose already)
+                bound = candidate_bound[chosen]
                 best = np.sort(bound.argsort(kind="stable")[:beam])
                 chosen, new_c, new_e = chosen[best], new_c[best], new_e[best]
             count = chosen.size
