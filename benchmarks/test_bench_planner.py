@@ -11,8 +11,8 @@ group:
   ``sampled`` and ``cupy`` backends). Target: under 100 ms per plan. Met (about 30 ms,
   at most about 45 ms, on 2 loaded cores).
 * ``optimal, 1000 units, n log n top-k``: ``c2 > 0`` (e.g. ``torch.topk`` on a CPU).
-  Target: under 100 ms per plan. Met on seeds 0-3 (80-96 ms at load 2-3) and in the
-  median; seed 4 (231 groups in its optimum) takes about 100-120 ms (was 160-230 ms):
+  Target: under 100 ms per plan. Met in the median and on seeds 0-3 (80-99 ms at load
+  0.7-2.7); seed 4 (231 groups in its optimum) takes about 96-120 ms (was 160-230 ms):
   its backward search examines 0.25 million candidates (was 1.4 million), and the
   first forward turn with its beam takes about 45 ms of it.
 * ``greedy, 1000 units``.
@@ -20,12 +20,12 @@ group:
   units). Target for the dense option: exact (no ``SearchBudgetWarning``) and under
   200 ms per plan. NOT MET: with a dense cost the planner's search budget always applies
   (docs/cost-model.md). The realistic dense and "dense close to sparse" searches all end
-  there (330-600 ms; even with the optimum itself as the bound, the forward search alone
+  there (310-530 ms; even with the optimum itself as the bound, the forward search alone
   takes 32 s on realistic seed 0 and the backward search 197 s, and 100 million
   candidates do not finish random dense seed 4 or dense-close seed 0: the fronts are
   knapsack-like, docs/cost-model.md); "random dense" ends there on 1 of 5 seeds (40-80
-  ms on the others), "slow network, dense" never (median about 140 ms, seed 4 about
-  300-440 ms). So these benchmarks are marked ``xfail`` (not strict: the instances that
+  ms on the others), "slow network, dense" never (90-125 ms, seed 4 about 280-340 ms).
+  So these benchmarks are marked ``xfail`` (not strict: the instances that
   finish within the budget pass); they still record the time per plan.
 
 Random instances (:func:`random_case`, the adversarial classes of docs/cost-model.md):
