@@ -1071,17 +1071,11 @@ class _FrontierSearch:
                 front = fronts.get(t)
                 if front is not None:
                     front_y, front_g, front_ids = front
-                    cut = np.searchsorted(front_y - front_g, cand_c - cand_e)
-                    last = front_y.size - 1
-                    above = cand_e + front_y[np.minimum(cut, last)]
-                    above[cut > last] = math.inf
-                    below = cand_c + front_g[np.maximum(cut - 1, 0)]
-                    below[cut == 0] = math.inf
-                    value = np.minimum(above, below)
+                    value, pick = _join_values(front_y, front_g, front_y.size, cand_c, cand_e)
                     i = int(np.argmin(value))
                     if value[i] < best_join:  # (the first target and candidate win ties)
                         best_join = float(value[i])
-                        j = int(cut[i]) if above[i] <= below[i] else int(cut[i]) - 1
+                        j = int(pick[i])
                         joined = (t, int(ids[i % live]), bool(has_dense and i >= live),
                                   int(front_ids[j]))
                         limit = min(limit, best_join + tie)
@@ -1310,6 +1304,21 @@ _RETIRE_EVERY = 8
 
 # Candidate sets larger than this are thinned by _undominated before the sort.
 _PREFILTER_SIZE = 2048
+
+
+def _join_values(front_y, front_g, size, c, e):
+    """Per prefix state ``(c, e)``: the best plan time ``max(e + Ys, c + G)`` over the first
+    ``size`` states of a suffix front sorted by ``Ys`` ascending (``G`` descending), and
+    the index of the suffix state that gives it. The optimum is where ``Ys - G`` crosses
+    ``c - e``: the state at the crossing or the one before it (inf where there is none).
+    """
+    cut = np.searchsorted(front_y - front_g, c - e)
+    last = size - 1
+    above = e + front_y[np.minimum(cut, last)]
+    above[cut > last] = math.inf
+    below = c + front_g[np.maximum(cut - 1, 0)]
+    below[cut == 0] = math.inf
+    return np.minimum(above, below), np.where(above <= below, cut, cut - 1)
 
 
 def _undominated(first, second):
@@ -1697,17 +1706,11 @@ class _SuffixSearch:
                 # where Ys - G, ascending along the front, crosses c - e); none is stored
                 pc, pe, first_id = exact_fronts[s]
                 if count and pc.size:
-                    cut = np.searchsorted(new_y - new_g, pc - pe)
-                    last = count - 1
-                    above = pe + new_y[np.minimum(cut, last)]
-                    above[cut > last] = math.inf
-                    below = pc + new_g[np.maximum(cut - 1, 0)]
-                    below[cut == 0] = math.inf
-                    value = np.minimum(above, below)
+                    value, pick = _join_values(new_y, new_g, count, pc, pe)
                     i = int(np.argmin(value))
                     if value[i] < best_join:  # (the first s and prefix state win ties)
                         best_join = float(value[i])
-                        j = int(cut[i]) if above[i] <= below[i] else int(cut[i]) - 1
+                        j = int(pick[i])
                         k = int(chosen[j])
                         src = k - live if k >= live else k
                         joined = (s, first_id + i, int(T[src]), int(ID[src]), k >= live)
