@@ -432,7 +432,7 @@ class Trial:
         self.local = self._empty_local()
         self.local_probe = self._empty_local()
 
-    def _step_loads(self, probe_rows):
+    def _loads_of_round(self, probe_rows):
         """The gathered probes of this round added to each rank's history; per counted
         step the load (:func:`_step_loads`) against each rank's median probe."""
         if len(self.probes) != len(probe_rows):
@@ -462,7 +462,7 @@ class Trial:
         if not rows or len({len(r) for r in rows}) != 1 or len(rows[0]) not in (width, 2 * width):
             raise ValueError(f"expected rows of {2 * width} numbers, got {[len(r) for r in rows]}")
         probe_rows = [r[width:] or [math.nan] * width for r in rows]
-        loads = self._step_loads(probe_rows)
+        loads = self._loads_of_round(probe_rows)
         this_round, all_disturbed, quiet_bound = {}, [], {}
         for position, index in enumerate(self.rounds[-1]):
             raw, clean, bound = [], [], []
