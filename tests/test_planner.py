@@ -440,6 +440,15 @@ def test_backward_search_joined_to_known_prefixes_stays_exact(dense, c2):
     assert tightened >= 25  # the join did happen
 
 
+def _small_case(rng, dense, c2):
+    """A random instance small enough for brute force (``c2``: "zero" or "positive"
+    top-k curvature) and its optimum after the forward pass."""
+    inst = random_instance(rng, int(rng.integers(2, 9 if dense else 11)), dense=dense)
+    c2_value = 0.0 if c2 == "zero" else _log_uniform(rng, 1e-14, 1e-10)
+    inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=c2_value))
+    return inst, brute_force(inst) - inst.forward_s
+
+
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 @pytest.mark.parametrize("c2", ["zero", "positive"])
 def test_forward_search_joined_to_a_stopped_backward_search_is_exact(dense, c2):
@@ -449,10 +458,7 @@ def test_forward_search_joined_to_a_stopped_backward_search_is_exact(dense, c2):
     rng = np.random.default_rng(71 + 2 * dense + (c2 == "positive"))
     joins = used = 0
     for _ in range(30):
-        inst = random_instance(rng, int(rng.integers(2, 9 if dense else 11)), dense=dense)
-        c2_value = 0.0 if c2 == "zero" else _log_uniform(rng, 1e-14, 1e-10)
-        inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=c2_value))
-        truth = brute_force(inst) - inst.forward_s
+        inst, truth = _small_case(rng, dense, c2)
         full = planner._SuffixSearch(inst, math.inf)
         full.solve()
         for budget in sorted({1, 2, 3, 5, 8, full.examined // 2, full.examined - 1}):
@@ -485,10 +491,7 @@ def test_backward_search_joined_to_exact_prefix_fronts_is_exact(dense, c2):
     rng = np.random.default_rng(95 + 2 * dense + (c2 == "positive"))
     joined = regions = 0
     for _ in range(30):
-        inst = random_instance(rng, int(rng.integers(2, 9 if dense else 11)), dense=dense)
-        c2_value = 0.0 if c2 == "zero" else _log_uniform(rng, 1e-14, 1e-10)
-        inst = dataclasses.replace(inst, topk=dataclasses.replace(inst.topk, c2=c2_value))
-        truth = brute_force(inst) - inst.forward_s
+        inst, truth = _small_case(rng, dense, c2)
         for budget in (1, 2, 4, 8, 16, 40):
             for bound in (math.inf, truth * (1 + 1e-9)):
                 forward = planner._FrontierSearch(inst, upper_bound=bound, budget=budget,
