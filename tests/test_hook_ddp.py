@@ -25,7 +25,11 @@ DENSITY = 0.05
 
 
 class Net(nn.Module):
-    def __init__(self, frozen=False):
+    """``odd="used"`` / ``"unused"``: also a zero-element parameter (its own bucket with
+    bucket_cap_mb=0; used in the forward or not) and a float64 layer - parameters a
+    user's model may hold."""
+
+    def __init__(self, frozen=False, odd=False):
         super().__init__()
         self.a = nn.Linear(16, 32)
         self.b = nn.Linear(32, 32)
@@ -33,12 +37,21 @@ class Net(nn.Module):
         self.frozen = nn.Linear(8, 8) if frozen else None
         if frozen:
             self.frozen.requires_grad_(False)
+        self.odd = odd
+        if odd:
+            self.empty = nn.Parameter(torch.zeros(0))
+            self.c.double()
 
     def forward(self, x, skip_b=False):
         hidden = torch.relu(self.a(x))
         if not skip_b:
             hidden = torch.relu(self.b(hidden))
-        out = self.c(hidden)
+        if self.odd:
+            out = self.c(hidden.double()).to(hidden.dtype)
+            if self.odd == "used":
+                out = out + self.empty.sum()
+        else:
+            out = self.c(hidden)
         return self.frozen(out) if self.frozen is not None else out
 
 
@@ -55,6 +68,11 @@ def flat_residuals(state):
     return {k: v.reshape(-1).clone() for k, v in state.memory.state_dict().items()}
 
 
+def max_abs(t):
+    """Largest magnitude of ``t`` (0 for a zero-element tensor)."""
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
 def gather(obj, world_size):
     out = [None] * world_size
     dist.all_gather_object(out, obj)
@@ -64,7 +82,7 @@ def gather(obj, world_size):
 # ----------------------------------------------------------------------------- workers
 def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
                             accumulate=False, frozen=False, dtype=torch.float32,
-                            skip_b_on_odd_steps=False):
+                            skip_b_on_odd_steps=False, odd=False):
     import logging
 
     records = []
@@ -73,8 +91,10 @@ def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
     logging.getLogger("omgs_hook").addHandler(handler)
     logging.getLogger("omgs_hook").setLevel(logging.INFO)
     torch.manual_seed(0)
-    model = Net(frozen).to(dtype)
-    reference_model = Net(frozen).to(dtype)
+    model = Net(frozen, odd)
+    reference_model = Net(frozen, odd)
+    if dtype != torch.float32:
+        model, reference_model = model.to(dtype), reference_model.to(dtype)
     ddp = DDP(model, bucket_cap_mb=0, **ddp_options)
     state = omgs_hook.register(ddp, density=DENSITY, **hook_options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -105,7 +125,9 @@ def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
         last = state.stats()["last"]
         groups = list(zip(last["group_keys"], last["group_dense"]))
         covered = sorted(k for keys, _ in groups for k in keys)
-        assert covered == sorted(local), f"step {step}: groups cover {covered}"
+        # (a group of zero-element parameters only sends nothing: it is not in the stats)
+        assert covered == sorted(k for k, v in local.items() if v.numel() or k in covered), \
+            f"step {step}: groups cover {covered}"
         # parameters unused on every rank keep ("park") their residual: it is not sent
         unused = {n for n, p in reference_model.named_parameters() if p.requires_grad and p.grad is None}
         ref_old = [{k: v for k, v in o.items() if k not in unused} for o in all_old]
@@ -117,7 +139,7 @@ def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
             if not p.requires_grad or p.grad is None:
                 # frozen, or unused on every rank (DDP leaves .grad None): the residual
                 # must be exactly what it was
-                assert not p.requires_grad or skip_b, name
+                assert not p.requires_grad or skip_b or (name == "empty" and odd == "unused"), name
                 if p.requires_grad:
                     assert torch.equal(got_res.get(name, torch.zeros(p.numel())),
                                        old.get(name, torch.zeros(p.numel()))), name
@@ -125,9 +147,9 @@ def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
             # the averaged fp32 result is written into the (maybe bf16) gradient: compare
             # after the same rounding
             expected = avg[name].to(p.grad.dtype).float()
-            worst["grad"] = max(worst["grad"], float((p.grad.reshape(-1).float() - expected).abs().max()))
+            worst["grad"] = max(worst["grad"], max_abs(p.grad.reshape(-1).float() - expected))
             mine = got_res.get(name, torch.zeros_like(avg[name]))
-            worst["residual"] = max(worst["residual"], float((mine - new_res[rank][name]).abs().max()))
+            worst["residual"] = max(worst["residual"], max_abs(mine - new_res[rank][name]))
         # conservation with the hook's own outputs: sum(local + old) == W*avg + sum(new)
         all_new = gather(got_res, world_size)
         for name, p in model.named_parameters():
@@ -137,10 +159,9 @@ def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
             rhs = world_size * p.grad.reshape(-1).float() + sum(
                 all_new[r].get(name, torch.zeros_like(lhs)) for r in range(world_size))
             # (low-precision gradients round the written average: allow that rounding)
-            slack = 0.0 if dtype == torch.float32 else world_size * float(
-                (p.grad.reshape(-1).float() - avg[name]).abs().max())
-            worst["conservation"] = max(worst["conservation"],
-                                        float((lhs - rhs).abs().max()) - slack)
+            slack = 0.0 if dtype == torch.float32 else world_size * max_abs(
+                p.grad.reshape(-1).float() - avg[name])
+            worst["conservation"] = max(worst["conservation"], max_abs(lhs - rhs) - slack)
         per_step.append({
             "buckets": len(state._exchange.layout),
             "groups": len(groups),
@@ -391,6 +412,26 @@ def test_find_unused_parameters_and_bf16_gradients_with_fp32_residual():
     for r in results:
         assert r["worst"]["grad"] < 1e-6 and r["worst"]["residual"] < 1e-6, r["worst"]
         assert r["worst"]["conservation"] < 1e-5, r["worst"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy, odd", [("layerwise", "used"), ("layerwise", "unused"),
+                                           ("single", "used")])
+def test_zero_element_and_float64_parameters_match_reference(strategy, odd):
+    """A zero-element parameter in a bucket of its own (a group with nothing to send;
+    unused: parked as well) and a float64 layer (computed in fp32, written back as
+    float64), sparse from step 1."""
+    results = run_ranks("test_hook_ddp", "check_against_reference", world_size=2,
+                        hook_options={"strategy": strategy, "warmup_steps": 1,
+                                      "allow_dense": False, "select": "model"},
+                        ddp_options={"find_unused_parameters": odd == "unused"}, steps=5,
+                        odd=odd)
+    for r in results:
+        assert r["worst"]["grad"] < 1e-6 and r["worst"]["residual"] < 1e-6, r["worst"]
+        assert r["worst"]["conservation"] < 1e-5, r["worst"]
+        # the empty parameter has a bucket of its own once DDP rebuilt its buckets
+        assert r["per_step"][-1]["buckets"] == 7, r["per_step"]
+        assert all(s["dense"] == 0 for s in r["per_step"][1:]), r["per_step"]
 
 
 @pytest.mark.timeout(240)

@@ -136,6 +136,44 @@ def test_non_floating_parameter_is_rejected():
         OMGSState(module=module2)
 
 
+def test_sparse_gradient_embedding_is_rejected_at_construction():
+    class Net(nn.Module):
+        def __init__(self, sparse):
+            super().__init__()
+            self.table = nn.Embedding(10, 4, sparse=sparse)
+            self.bag = nn.EmbeddingBag(10, 4)
+
+    OMGSState(module=Net(sparse=False))  # dense-gradient embeddings are fine
+    with pytest.raises(ValueError, match=r"'table'.*sparse=True"):
+        OMGSState(module=Net(sparse=True))
+
+
+def sparse_gradient_worker(rank, world_size):
+    """A hook registered without its module (so nothing was checked up front) meets a
+    sparse-gradient bucket: a clear error names the parameter, no KeyError."""
+    from omgs_hook import omgs_hook as hook_fn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True))
+    ddp = DDP(model)
+    ddp.register_comm_hook(OMGSState(), hook_fn)
+    try:
+        model(torch.tensor([[1, 2]])).sum().backward()  # (the hook sees DDP's bucket)
+        ddp(torch.tensor([[1, 2]])).sum().backward()
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        del ddp
+        gc.collect()
+
+
+@pytest.mark.timeout(60)
+def test_sparse_gradient_bucket_fails_with_a_clear_error():
+    (message,) = run_ranks("test_hook_validation", "sparse_gradient_worker", world_size=1)
+    assert "sparse" in message and "param0" in message and "KeyError" not in message, message
+
+
 def test_register_rejects_a_plain_module():
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         omgs_hook.register(nn.Linear(2, 2))

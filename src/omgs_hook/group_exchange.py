@@ -139,6 +139,14 @@ class StepExchange:
         self.arrival_wall.append(time.perf_counter())
         grads = bucket.gradients()
         buffer = bucket.buffer()
+        if buffer.layout != torch.strided or len(grads) != len(keys):
+            # sparse gradients (e.g. an embedding with sparse=True): DDP hands them over
+            # as a sparse buffer without per-parameter views
+            raise RuntimeError(
+                f"omgs_hook: bucket {bucket.index()} (parameters {list(keys)[:5]}) holds "
+                f"{buffer.layout} gradients; the hook needs dense gradients (construct "
+                "embeddings with sparse=False)"
+            )
         self.layout.append(tuple(keys))
         for key, grad, param in zip(keys, grads, params):
             self.arrived[key] = (index, grad.view(-1), _offset_in(grad, buffer))
@@ -162,6 +170,11 @@ class StepExchange:
         keys = tuple(keys)
         self.sent.update(keys)
         numel = sum(self.arrived[key][1].numel() for key in keys)
+        if numel == 0:
+            # zero-element parameters only: nothing to send, on any rank (the layout and
+            # the plan are the same everywhere)
+            self._keys_done(keys, group_finished=False)
+            return
         if self.subgroups is not None:
             if not dense:
                 self._send_hierarchical(keys, numel)
@@ -191,6 +204,8 @@ class StepExchange:
         for key in keys:
             index, grad, at = self.arrived[key]
             n = grad.numel()
+            if n == 0:  # a zero-element parameter: nothing to add, select or write
+                continue
             last = runs[-1] if runs else None
             if (last is not None and at is not None and last[3] is not None
                     and last[2] == index and last[3] + last[1] == at):
@@ -528,6 +543,11 @@ class StepExchange:
             self.writeback_samples.append((numel, time.perf_counter() - started))
 
     def _group_done(self, keys):
+        self._keys_done(keys, group_finished=True)
+
+    def _keys_done(self, keys, group_finished):
+        """``keys`` are written back (by an issued group when ``group_finished``); the
+        buckets they complete get their futures."""
         ready = []
         with self._lock:
             for key in keys:
@@ -536,7 +556,8 @@ class StepExchange:
                 if self._remaining[index] == 0 and index not in self._completed:
                     self._completed.add(index)
                     ready.append(index)
-            self._done += 1
+            if group_finished:
+                self._done += 1
             finished = self._maybe_finish_locked()
         if finished:
             self._after_finish()
@@ -601,7 +622,9 @@ def _range(stage, group):
 
 def _sum_of_squares(segments):
     """Sum of squares of the gradient runs, in fp32, as a 0-d tensor (no host sync)."""
-    norms = [torch.linalg.vector_norm(grad, dtype=torch.float32) for _, _, grad in segments]
+    # (fp64 cannot be narrowed inside the norm: taken in fp64, then cast)
+    norms = [torch.linalg.vector_norm(grad).float() if grad.dtype == torch.float64
+             else torch.linalg.vector_norm(grad, dtype=torch.float32) for _, _, grad in segments]
     return torch.stack(norms).square().sum()
 
 

@@ -621,6 +621,14 @@ class OMGSState:
 
     # ------------------------------------------------------------------ set-up helpers
     def _index_module(self, module):
+        for name, sub in module.named_modules():
+            if getattr(sub, "sparse", False) is True and isinstance(
+                    sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+                raise ValueError(
+                    f"module {name!r} ({type(sub).__name__}(sparse=True)) produces sparse "
+                    "gradients, which OMGS cannot sparsify and DDP gives no comm hook a "
+                    "dense bucket of; construct it with sparse=False"
+                )
         for name, param in module.named_parameters():
             if not param.requires_grad:
                 continue
@@ -1189,7 +1197,8 @@ class OMGSState:
             per_byte = wb_element / (self.density * 8)  # 4-byte value + 4-byte index per entry
             comm = LinearCost(alpha_s=comm.alpha_s + wb_group,
                               beta_s_per_byte=comm.beta_s_per_byte + per_byte)
-        numels = [sum(math.prod(self._shapes[k]) for k in bucket) for bucket in layout]
+        # (a bucket of zero-element parameters costs nothing; the model's units are >= 1)
+        numels = [max(1, sum(math.prod(self._shapes[k]) for k in bucket)) for bucket in layout]
         dense = self.profile.dense if self.allow_dense else None
         two_level = self._two_level_costs()
         scales = {"sparse": None, "dense": None}
