@@ -281,3 +281,56 @@ def test_the_trial_correction_adds_its_slopes_but_not_its_level():
     clamped = _corrected(base, Correction(sparse_group_s=-1.0))
     assert clamped.topk.c0 == 0.0
     assert _corrected(base, None) is base
+
+
+def settled_check_worker(rank, world_size, steps, sleep_s):
+    import time
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=2, select="model",
+                               strategy="single", allow_dense=False)
+
+    def slow(grad):
+        # from the first check on, backward takes sleep_s longer (its first bucket)
+        if state._model_check is not None:
+            time.sleep(sleep_s)
+        return grad
+
+    model.c.weight.register_hook(slow)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    checks, seen = [], []
+    for step in range(steps):
+        train_steps(ddp, opt, step, step + 1, rank)
+        check = state.stats()["model_check"]
+        if check is not None and (not seen or check != seen[-1]):
+            seen.append(check)
+            checks.append(dict(check, preferred_from=state.meter.prefer_from_step))
+    stats = state.stats()
+    del ddp, state
+    gc.collect()
+    return {"checks": checks, "stats": stats}
+
+
+@pytest.mark.multiprocess
+def test_a_settled_check_re_predicts_the_plan_from_the_steps_after_the_first():
+    from omgs_hook.hook import SETTLED_CHECK_STEPS
+
+    results = run_ranks("test_model_check", "settled_check_worker", world_size=2,
+                        timeout=240, steps=40, sleep_s=0.03)
+    assert results[0]["checks"] == results[1]["checks"]  # gathered: the same everywhere
+    checks = results[0]["checks"]
+    assert [c["kind"] for c in checks] == ["first", "settled"], checks
+    first, settled = checks
+    stats = results[0]["stats"]
+    history = stats["plan_history"]
+    # the plan never changed: the settled check re-predicts, it does not re-plan
+    assert len(history) == 1 and history[0]["strategy"] == "single", history
+    assert settled["step"] == history[0]["step"] + SETTLED_CHECK_STEPS
+    assert first["preferred_from"] == first["step"]  # the settled check's window starts there
+    # its steps all ran with the slower backward (none from before the first check),
+    # and so does its prediction, which the plan now carries
+    assert settled["measured_s"] > first["measured_s"] + 0.025, checks
+    assert settled["predicted_s"] > first["predicted_s"] + 0.02, checks
+    assert stats["predicted_iteration_s"] == settled["predicted_s"]

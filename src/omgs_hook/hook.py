@@ -104,6 +104,12 @@ CHECK_SETTLE_STEPS = 5
 #: plan_selection.SPELL_FACTOR times that rank's recent level) waits CHECK_SETTLE_STEPS
 #: more steps, at most this many times, measuring afresh from there
 MAX_CHECK_POSTPONES = 3
+#: steps after a plan went into use at which the model is checked once more, on the
+#: steps since the first check (``"kind": "settled"``): the steps right after a plan
+#: change (the end of a trial or of the warm-up) run slower or faster than the steady
+#: state the plan's prediction is for. This check never changes the plan; it only
+#: re-predicts it from the settled steps.
+SETTLED_CHECK_STEPS = 20
 
 
 def _check_fraction(name, value):
@@ -575,6 +581,7 @@ class OMGSState:
         self._step_times = collections.deque(maxlen=measure_window)
         self._check_at = None
         self._check_postponed = 0  # times the pending check waited out a load spell
+        self._settled_at = None  # the step of the plan's settled check, when pending
         self._model_check = None
         # measured selection: the running trial, its GroupPlans and layout, the last
         # finished trial's report, the model plan the last trial started from
@@ -985,6 +992,9 @@ class OMGSState:
         if (not layout_changed and self._check_at is not None and self.step >= self._check_at
                 and self.step >= settled):
             return "check"
+        if (not layout_changed and self._check_at is None and self._settled_at is not None
+                and self.step >= self._settled_at and self.step >= settled):
+            return "settled"
         return "layout" if layout_changed else None
 
     # ------------------------------------------------------------ pinned and trial plans
@@ -1381,6 +1391,8 @@ class OMGSState:
         rank's planner is done - the same step on every rank."""
         if reason == "check":
             self._check_at = None
+        if reason == "settled":
+            self._settled_at = None
         instance, inputs = self._build_instance(layout)
         if reason == "check" and self._postpone_check(inputs["forward_load"]):
             return
@@ -1388,9 +1400,19 @@ class OMGSState:
         flat_instance = self._flat_instance[1]
         self._comm_override = inputs.pop("comm_override")
         self._planned_with = inputs
+        if reason == "settled":
+            if self.plan is not None and self.plan.layout == layout:
+                self._check_plan_in_use(self._instance_for(self.plan, instance, flat_instance),
+                                        inputs["measured_step_s"], kind="settled")
+                self.plan = dataclasses.replace(
+                    self.plan, predicted_iteration_s=self._model_check["predicted_s"])
+            return
         if reason in ("check", "overhead") and self.plan is not None and self.plan.layout == layout:
             self._check_plan_in_use(self._instance_for(self.plan, instance, flat_instance),
                                     inputs["measured_step_s"])
+            # the settled check measures from here: after the steps right after the plan
+            # change that this one saw
+            self.meter.prefer_from(self.step)
             if reason == "check" and self.select == "measured":
                 # the measured winner stays (a new trial comes with the periodic re-plan);
                 # its prediction is now the one made from its own steps
@@ -1451,6 +1473,7 @@ class OMGSState:
         self.meter.prefer_from(step)
         self._check_at = step + CHECK_SETTLE_STEPS if check else None
         self._check_postponed = postponed
+        self._settled_at = step + SETTLED_CHECK_STEPS
 
     def _postpone_check(self, forward_load):
         """True (and the check moved on) when the check's steps ran in a load spell:
@@ -1467,9 +1490,11 @@ class OMGSState:
         self._plan_in_use_from(self.step, check=True, postponed=self._check_postponed + 1)
         return True
 
-    def _check_plan_in_use(self, instance, measured_s):
+    def _check_plan_in_use(self, instance, measured_s, kind="first"):
         """The plan in use, predicted from the steps it ran (``instance``), against the
-        slowest rank's measured step (``stats()["model_check"]``)."""
+        slowest rank's measured step (``stats()["model_check"]``). ``kind``: ``"first"``
+        (``CHECK_SETTLE_STEPS`` after the plan went into use) or ``"settled"``
+        (``SETTLED_CHECK_STEPS`` after, on the steps since the first)."""
         plan = self.plan
         refit = self._refit_correction(plan.layout, plan.exchange)
         if refit is not None:
@@ -1477,7 +1502,8 @@ class OMGSState:
         predicted = planner_mod.evaluate(instance, plan.unit_groups(),
                                          dense=list(plan.dense)).predicted_iteration_s
         self._model_check = {
-            "step": self.step, "strategy": plan.strategy, "groups": len(plan.groups),
+            "step": self.step, "kind": kind, "strategy": plan.strategy,
+            "groups": len(plan.groups),
             "dense_groups": sum(1 for d in plan.dense if d),
             "planned_s": plan.predicted_iteration_s, "predicted_s": predicted,
             "measured_s": measured_s,
@@ -1490,8 +1516,8 @@ class OMGSState:
             "correction": (self._correction.to_dict()
                            if self._correction is not None and self.select == "measured" else None),
         }
-        logger.info("omgs_hook: step %d model check of %s (%d groups): predicted %.4f s, "
-                    "measured %s", self.step, plan.strategy, len(plan.groups), predicted,
+        logger.info("omgs_hook: step %d %s model check of %s (%d groups): predicted %.4f s, "
+                    "measured %s", self.step, kind, plan.strategy, len(plan.groups), predicted,
                     "-" if measured_s is None else f"{measured_s:.4f} s")
 
     def _refit_correction(self, layout, exchange=None):
@@ -1725,7 +1751,11 @@ class OMGSState:
         beside ``planned_s`` that it was chosen with - and compared with the slowest
         rank's median step over those steps, ``measured_s``; ``error`` is
         ``(predicted - measured) / measured``; with ``select="measured"`` the winner's
-        ``predicted_iteration_s`` becomes ``predicted_s``), ``"error_feedback"`` (measured
+        ``predicted_iteration_s`` becomes ``predicted_s``; ``kind`` ``"first"``, then
+        ``"settled"``: ``SETTLED_CHECK_STEPS`` = 20 steps after the plan went into use
+        the check runs once more on the steps since the first, and the plan's
+        ``predicted_iteration_s`` becomes its ``predicted_s`` in either select mode),
+        ``"error_feedback"`` (measured
         every ``HEALTH_EVERY`` = 10 steps: ``step``, this rank's ``gradient_norm`` - its
         local gradient after any ``local_clip_norm`` - the ``residual_norm`` left after
         sending, and their ratio ``residual_to_gradient``; a ratio that keeps growing
@@ -1959,6 +1989,7 @@ class OMGSState:
             "step_times": [list(e) for e in self._step_times],
             "check_at": self._check_at,
             "check_postponed": self._check_postponed,
+            "settled_at": self._settled_at,
             "model_check": self._model_check,
         }
 
@@ -2042,6 +2073,7 @@ class OMGSState:
         self._step_times.extend((int(a), float(b)) for a, b in sd.get("step_times") or [])
         self._check_at = None if sd.get("check_at") is None else int(sd["check_at"])
         self._check_postponed = int(sd.get("check_postponed", 0))
+        self._settled_at = None if sd.get("settled_at") is None else int(sd["settled_at"])
         self._model_check = dict(sd["model_check"]) if sd.get("model_check") else None
         self._bucket0 = None
         if self._pinned is not None:
