@@ -1190,9 +1190,13 @@ def render_tables(results, plot_name):
                "all their work on the autograd thread (top-k, assembling gradient + residual, "
                "the NaN check, packing; not the write-back, which runs in gloo threads), "
                "`opt` the optimiser step. `predicted` is the planner's iteration time for the "
-               "plan in use, made in the untimed warm-up from the times the hook measured "
-               "there (forward, per-bucket backward, its own per-group work, the step's tail "
-               "- optimiser, zero_grad - and the profile's collective and top-k costs); "
+               "plan in use as the hook holds it at the end of the run, from the times it "
+               "measured (forward, per-bucket backward, its own per-group work, the step's "
+               "tail - optimiser, zero_grad - and the profile's collective and top-k costs, "
+               "scaled by its timed collectives), never from the step times themselves. "
+               "Since 81afd07 that is the settled model check's, 20 steps after the plan "
+               "went into use, on the steps since its first check: for the fixed variants "
+               "these are the last untimed steps and the first timed ones; "
                "`replayed` evaluates the same plan with the hook's measurements of the timed "
                "steps instead.\n")
     for r in results:
@@ -1378,8 +1382,9 @@ def render_default_targets(results):
         out = []
     out.append("")
     out.append("### Prediction error per strategy\n")
-    out.append("(predicted - measured) / measured of the median step, the prediction made in "
-               "the untimed warm-up for the plan in use (target: within "
+    out.append("(predicted - measured) / measured of the median step, `predicted` as above "
+               "(the settled check's since 81afd07; before, the one made in the untimed "
+               "warm-up) for the plan in use (target: within "
                f"{100 * TARGET_STRATEGY_PREDICTION_ERROR:.0f}%). `optimal+dense` is "
                "`strategy=\"optimal\", allow_dense=True`; the others are sparse-only unless "
                "the heading says dense groups are allowed.\n")
