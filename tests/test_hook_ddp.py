@@ -458,6 +458,65 @@ def test_resume_is_bit_identical(tmp_path, strategy):
         assert r["identical"], r["max_diff"]
 
 
+def changed_options_worker(rank, world_size, first, second, save_at, steps):
+    """Train with options ``first``, checkpoint at ``save_at``, resume with ``second``."""
+    import io
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("omgs_hook").addHandler(handler)
+    logging.getLogger("omgs_hook").setLevel(logging.INFO)
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=2, **first)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train_steps(ddp, opt, 0, save_at, rank)
+    buffer = io.BytesIO()
+    torch.save(state.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    state.close()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=2, **second)
+    state.load_state_dict(saved)
+    residual_loaded = state.memory.total_norm()
+    train_steps(ddp, opt, save_at, steps, rank)
+    stats = state.stats()
+    out = {"saved_trial": saved.get("trial") is not None, "residual_loaded": residual_loaded,
+           "history": [(h["step"], h["strategy"], h["reason"]) for h in stats["plan_history"]],
+           "trial": stats["selection"]["trial"], "log": [m for m in records if "options" in m]}
+    del ddp, state
+    gc.collect()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("change", ["strategy", "select"])
+def test_resume_with_other_options_re_plans_and_keeps_the_residuals(change):
+    first = {"strategy": "optimal", "select": "model", "allow_dense": False}
+    second = dict(first, strategy="single") if change == "strategy" else dict(first, select="measured")
+    if change == "select":  # saved mid-trial, resumed with select="model"
+        first, second = second, first
+    results = run_ranks("test_hook_ddp", "changed_options_worker", world_size=2,
+                        first=first, second=second, save_at=8, steps=14)
+    assert results[0]["history"] == results[1]["history"]
+    for r in results:
+        assert r["residual_loaded"] > 0  # the error feedback is carried over
+        after = [h for h in r["history"] if h[0] >= 8]
+        assert after and r["log"], r
+        if change == "strategy":
+            # the checkpoint's "optimal" plan is dropped; the new strategy is in use
+            assert after[-1][1] == "single" and after[-1][2] == "model", r["history"]
+        else:
+            # the checkpoint was saved mid-trial; with select="model" no trial runs on
+            assert r["saved_trial"], r
+            assert all(h[2] not in ("trial", "trial winner") for h in after), r["history"]
+            assert r["trial"] is None
+
+
 @pytest.mark.timeout(120)
 def test_plan_is_made_for_the_slowest_rank():
     delay = 0.05

@@ -88,6 +88,9 @@ PLAN_HISTORY_LIMIT = 1000
 # planner is not done by then, of the first later step at which every rank's is
 PLAN_LAG = 2
 WORLD_SIZE_POLICIES = ("error", "reset")
+# options a plan is made for: a checkpoint saved with other values has its plan, trial
+# and pending plan job dropped on load (the residuals stay: they are per parameter)
+PLAN_OPTIONS = ("density", "strategy", "select", "allow_dense")
 # A bucket layout that differs from the plan's must persist this many steps before it
 # forces a re-plan: DDP's one-bucket iterations after a (re)start are transient.
 LAYOUT_SETTLE_STEPS = 3
@@ -1961,6 +1964,8 @@ class OMGSState:
             "rank": dist.get_rank(self.process_group) if dist.is_initialized() else None,
             "density": self.density,
             "strategy": self.strategy,
+            "select": self.select,
+            "allow_dense": self.allow_dense,
             "residuals": self.memory.state_dict(),
             "topology": self._saved_topology(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
@@ -2040,8 +2045,16 @@ class OMGSState:
         # a plan saved before plans carried their exchange ran on the registration's
         self.plan = (GroupPlan.from_dict(sd["plan"], default_exchange=self._registered_exchange())
                      if sd.get("plan") else None)
-        if drop_residuals:
-            self.plan = None  # planned for another world size
+        # options changed since the checkpoint: its plan was made for the old ones; the
+        # next step re-plans (and, with select="measured", runs a fresh trial)
+        changed = [f"{name} {sd[name]!r} -> {getattr(self, name)!r}" for name in PLAN_OPTIONS
+                   if name in sd and sd[name] != getattr(self, name)]
+        if changed and self.plan is not None and self._pinned is None:
+            logger.info("omgs_hook: options changed since the checkpoint (%s): its plan is "
+                        "dropped, the next step re-plans", ", ".join(changed))
+        replan = drop_residuals or bool(changed)
+        if replan:
+            self.plan = None  # planned for another world size or other options
         self.step = int(sd.get("step", 0))
         self.meter.load_state_dict(sd.get("measurements") or {})
         self.overhead.load_state_dict(sd.get("group_overhead") or {})
@@ -2053,7 +2066,7 @@ class OMGSState:
             if k in self._totals:
                 self._totals[k] = int(v)
         self._trial, self._trial_plans, self._trial_layout = None, [], None
-        if sd.get("trial") and not drop_residuals and self._pinned is None:
+        if sd.get("trial") and not replan and self._pinned is None:
             self._trial_layout = tuple(tuple(b) for b in sd["trial_layout"])
             self._start_trial_from(plan_selection.Trial.from_state_dict(sd["trial"]))
         self._last_trial = sd.get("last_trial")
@@ -2071,16 +2084,17 @@ class OMGSState:
                                 if key else None)
         self._step_times.clear()
         self._step_times.extend((int(a), float(b)) for a, b in sd.get("step_times") or [])
-        self._check_at = None if sd.get("check_at") is None else int(sd["check_at"])
+        self._check_at = None if sd.get("check_at") is None or replan else int(sd["check_at"])
         self._check_postponed = int(sd.get("check_postponed", 0))
-        self._settled_at = None if sd.get("settled_at") is None else int(sd["settled_at"])
+        self._settled_at = (None if sd.get("settled_at") is None or replan
+                            else int(sd["settled_at"]))
         self._model_check = dict(sd["model_check"]) if sd.get("model_check") else None
         self._bucket0 = None
         if self._pinned is not None:
             self._restore_pinned(self.plan)
         self._planner.cancel()
         self._plan_job = None
-        if sd.get("plan_job") and not drop_residuals and self._pinned is None:
+        if sd.get("plan_job") and not replan and self._pinned is None:
             self._submit_plan_job(sd["plan_job"])
         if self._device is not None:
             self.memory.move_to(self._device)
