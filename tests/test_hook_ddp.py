@@ -80,9 +80,8 @@ def gather(obj, world_size):
 
 
 # ----------------------------------------------------------------------------- workers
-def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
-                            accumulate=False, frozen=False, dtype=torch.float32,
-                            skip_b_on_odd_steps=False, odd=False):
+def capture_log():
+    """The omgs_hook logger's messages (INFO and up) from now on, as a growing list."""
     import logging
 
     records = []
@@ -90,6 +89,13 @@ def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("omgs_hook").addHandler(handler)
     logging.getLogger("omgs_hook").setLevel(logging.INFO)
+    return records
+
+
+def check_against_reference(rank, world_size, hook_options, ddp_options, steps,
+                            accumulate=False, frozen=False, dtype=torch.float32,
+                            skip_b_on_odd_steps=False, odd=False):
+    records = capture_log()
     torch.manual_seed(0)
     model = Net(frozen, odd)
     reference_model = Net(frozen, odd)
@@ -461,13 +467,8 @@ def test_resume_is_bit_identical(tmp_path, strategy):
 def changed_options_worker(rank, world_size, first, second, save_at, steps):
     """Train with options ``first``, checkpoint at ``save_at``, resume with ``second``."""
     import io
-    import logging
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("omgs_hook").addHandler(handler)
-    logging.getLogger("omgs_hook").setLevel(logging.INFO)
+    records = capture_log()
     torch.manual_seed(0)
     model = Net()
     ddp = DDP(model, bucket_cap_mb=0)
