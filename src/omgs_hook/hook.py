@@ -2047,9 +2047,10 @@ class OMGSState:
                      if sd.get("plan") else None)
         # options changed since the checkpoint: its plan was made for the old ones; the
         # next step re-plans (and, with select="measured", runs a fresh trial)
+        # (a pinned plan is not made from options: nothing to drop)
         changed = [f"{name} {sd[name]!r} -> {getattr(self, name)!r}" for name in PLAN_OPTIONS
-                   if name in sd and sd[name] != getattr(self, name)]
-        if changed and self.plan is not None and self._pinned is None:
+                   if self._pinned is None and name in sd and sd[name] != getattr(self, name)]
+        if changed and self.plan is not None:
             logger.info("omgs_hook: options changed since the checkpoint (%s): its plan is "
                         "dropped, the next step re-plans", ", ".join(changed))
         replan = drop_residuals or bool(changed)
