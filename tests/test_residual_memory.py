@@ -98,6 +98,86 @@ def test_state_dict_round_trip_and_total_norm():
     assert abs(memory.total_norm() - 24 ** 0.5) < 1e-12  # entry 0 was "sent"
 
 
+def _snapshot(memory):
+    return {k: memory.get(k).clone() for k in memory.keys()}
+
+
+def _same(memory, snapshot):
+    return set(memory.keys()) == set(snapshot) and all(
+        torch.equal(memory.get(k), v) for k, v in snapshot.items())
+
+
+def test_rewind_undoes_the_last_commit_bit_exactly_across_a_plan_change():
+    memory = ResidualMemory()
+    grads = {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([3.0, 0.5, 4.0])}
+    _step(memory, ("a",), (2,), grads)
+    _step(memory, ("b",), (3,), grads)
+    before = _snapshot(memory)
+    # a new plan merges both (new buffers, residuals read from the old groups' slices),
+    # and a dense-like stage drops "b" to zero
+    _step(memory, ("a", "b"), (2, 3), {"a": torch.full((2,), 5.0), "b": torch.full((3,), 7.0)})
+    assert not _same(memory, before)
+    assert memory.rewind_last_commit()
+    assert _same(memory, before)
+    assert not memory.rewind_last_commit()  # only once
+    # the step after the rewind starts from the restored residuals, on the old plan
+    _step(memory, ("a",), (2,), {"a": torch.zeros(2)})
+    _step(memory, ("b",), (3,), {"b": torch.zeros(3)})
+    assert torch.equal(memory.get("a")[1:], before["a"][1:])
+    assert torch.equal(memory.get("b")[1:], before["b"][1:])
+
+
+def test_rewind_restores_a_zeroed_residual_and_a_parked_one():
+    memory = ResidualMemory()
+    keys, numels = ("a", "b"), (2, 2)
+    _step(memory, keys, numels, {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])})
+    before = _snapshot(memory)
+    # b parked, a staged as "zero" (a dense group sent it all)
+    buffers = _step(memory, keys, numels, {"a": torch.ones(2), "b": torch.ones(2)},
+                    taken=("a",), commit=False)
+    memory.group_buffers(keys, numels, DEV)
+    memory.stage_group(buffers, ("a",))
+    memory.stage("b", None)
+    memory.commit_staged()
+    assert memory.get("b") is None
+    assert memory.rewind_last_commit()
+    assert _same(memory, before)
+    # the swap is undone too: the residuals are the group's current slices again (the
+    # next step's fast path reads them in place and writes the other buffer)
+    assert memory.residual_source(buffers, 0, "a") is CURRENT
+    assert memory.residual_source(buffers, 1, "b") is CURRENT
+
+
+def test_nothing_to_rewind_after_a_discard_a_forget_or_a_load():
+    memory = ResidualMemory()
+    _step(memory, ("a",), (2,), {"a": torch.tensor([1.0, 2.0])})
+    memory.forget_last_commit()
+    assert not memory.rewind_last_commit()
+    _step(memory, ("a",), (2,), {"a": torch.tensor([1.0, 2.0])})
+    _step(memory, ("a",), (2,), {"a": torch.tensor([9.0, 9.0])}, commit=False)
+    assert not memory.rewind_last_commit()  # the discarded step left nothing to undo
+    _step(memory, ("a",), (2,), {"a": torch.tensor([1.0, 2.0])})
+    memory.load_state_dict({"a": torch.zeros(2)})
+    assert not memory.rewind_last_commit()
+    assert torch.equal(memory.get("a"), torch.zeros(2))
+
+
+def test_rewind_of_a_shard_store_swaps_it_back():
+    memory = ResidualMemory()
+    store = memory.shard_store(("a", "b"), (3, 3), 0, 3, 6, DEV)
+    store.spare.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    memory.stage_shard(store)
+    memory.commit_staged()
+    before = memory.state_dict()
+    store.spare.copy_(torch.tensor([-4.0, 5.0, 6.0]))
+    memory.stage_shard(store)
+    memory.commit_staged()
+    assert torch.equal(memory.state_dict()["a"], torch.tensor([-4.0, 5.0, 6.0]))
+    assert memory.rewind_last_commit()
+    after = memory.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
 def _reference_average(indices, values, scale, numel):
     out = torch.zeros(numel, dtype=torch.float64)
     out.index_add_(0, indices, values.double())

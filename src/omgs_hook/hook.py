@@ -88,6 +88,11 @@ PLAN_HISTORY_LIMIT = 1000
 # planner is not done by then, of the first later step at which every rank's is
 PLAN_LAG = 2
 WORLD_SIZE_POLICIES = ("error", "reset")
+UNAPPLIED_POLICIES = ("rewind", "keep")
+# this many steps in a row whose gradient looked unapplied is not a discard pattern (a
+# GAN's discriminator alternates kept and discarded steps) but an optimizer that
+# updates parameters without bumping their version (``p.data``): rewinding stops
+UNAPPLIED_STREAK_LIMIT = 3
 # options a plan is made for: a checkpoint saved with other values has its plan, trial
 # and pending plan job dropped on load (the residuals stay: they are per parameter)
 PLAN_OPTIONS = ("density", "strategy", "select", "allow_dense")
@@ -458,6 +463,23 @@ class OMGSState:
         ranks_per_node (int): ranks per node; consecutive ranks form a node. Default
             None: torchrun's ``LOCAL_WORLD_SIZE`` (unset: one rank per node for
             ``"auto"``; an error for ``"hierarchical"``). Must divide the world size.
+        on_unapplied (str): what happens to a step's error feedback when its gradient is
+            thrown away instead of applied - the parameters' gradients were cleared
+            (``zero_grad()``, to None) and no optimizer step changed any of them before
+            the module's next forward pass. That is how a GAN's generator step leaves the
+            discriminator's gradients. Plain DDP drops such a gradient; with error
+            feedback its unsent part would stay in the residual and be applied in a later
+            step, pushing the discriminator the generator's way. ``"rewind"`` (default):
+            the step's residual update is undone at that next forward (bit-exact: the
+            residuals are those before the step), counted in
+            ``stats()["total"]["rewound_steps"]``, logged at WARNING the first time.
+            ``"keep"``: the residual keeps it (error feedback of every backward pass).
+            Needs ``module`` (the forward pre-hook); :func:`register` passes it. A
+            gradient kept for accumulation (not cleared) is never rewound. After
+            ``UNAPPLIED_STREAK_LIMIT`` (3) rewound steps in a row the hook concludes that
+            the optimizer updates parameters without bumping their version (``p.data``),
+            stops rewinding and warns. To drop such gradients without sending them at
+            all, run that backward under ``ddp_model.no_sync()``.
     """
 
     def __init__(
@@ -485,6 +507,7 @@ class OMGSState:
         track_staleness=False,
         topology="auto",
         ranks_per_node=None,
+        on_unapplied="rewind",
     ):
         self.density = _check_fraction("density", density)
         try:
@@ -512,6 +535,16 @@ class OMGSState:
                 f"got {on_world_size_change!r}"
             )
         self.on_world_size_change = on_world_size_change
+        if on_unapplied not in UNAPPLIED_POLICIES:
+            raise ValueError(f"on_unapplied must be one of {UNAPPLIED_POLICIES}, "
+                             f"got {on_unapplied!r}")
+        self.on_unapplied = on_unapplied
+        # the parameters of the step in progress, then (after its last bucket) their
+        # versions, read at the next forward to tell an applied gradient from a dropped one
+        self._step_params = []
+        self._applied_check = None
+        self._unapplied_streak = 0
+        self._rewind_warned = False
         self.allow_dense = bool(allow_dense)
         self.refit_online = bool(refit_online)
         if not isinstance(measured_comm, bool):
@@ -619,7 +652,7 @@ class OMGSState:
                         "selected": 0, "nonfinite_steps": 0, "replans": 0, "trials": 0,
                         "warmup_steps": 0, "warmup_elements": 0, "warmup_bytes": 0,
                         "sparse_group_elements": 0, "sparse_group_selected": 0,
-                        "inter_node_bytes": 0, "intra_node_bytes": 0}
+                        "inter_node_bytes": 0, "intra_node_bytes": 0, "rewound_steps": 0}
         self._hooks = []
         if self._pinned is not None and self._pinned[0] == "keys" and module is not None:
             _check_plan_keys(self._pinned[1], self._shapes)
@@ -664,7 +697,49 @@ class OMGSState:
         # a forward without autograd (an evaluation under no_grad) is not part of a
         # training step: timing it would count the evaluation as an iteration
         if torch.is_grad_enabled():
+            self._check_applied()
             self.meter.forward_started()
+
+    def _check_applied(self):
+        """At the first forward with autograd after a step: was that step's gradient
+        applied? Not when every parameter it reduced has its gradient cleared to None and
+        the same version as at the step's end (no optimizer step touched it): then its
+        residual update is rewound (``on_unapplied``). Local state only: no collective."""
+        check, self._applied_check = self._applied_check, None
+        if check is None:
+            return
+        params, versions = check
+        exchange = self._exchange
+        if exchange is None or not exchange.finished or exchange.error is not None:
+            return
+        if exchange.nonfinite:
+            return  # dropped already (an AMP step the scaler skips): no evidence either way
+        for param, version in zip(params, versions):
+            if param.grad is not None or param._version != version:
+                self._unapplied_streak = 0
+                self.memory.forget_last_commit()
+                return
+        self._unapplied_streak += 1
+        if self._unapplied_streak > UNAPPLIED_STREAK_LIMIT:
+            self.memory.forget_last_commit()
+            self.on_unapplied = "keep"
+            warnings.warn(
+                f"omgs_hook: {UNAPPLIED_STREAK_LIMIT + 1} steps in a row ended with the "
+                "gradients cleared and no parameter's version changed: the optimizer seems "
+                "to update parameters without autograd seeing it (p.data); those steps' "
+                "residual updates were kept from this one on and rewinding is off "
+                "(on_unapplied='keep'). Pass on_unapplied='keep' to silence this.",
+                RuntimeWarning, stacklevel=3)
+            return
+        if not self.memory.rewind_last_commit():
+            return
+        self._totals["rewound_steps"] += 1
+        level = logging.INFO if self._rewind_warned else logging.WARNING
+        self._rewind_warned = True
+        logger.log(level, "omgs_hook: the gradient of step %d was cleared without an "
+                   "optimizer step (as a GAN's generator step leaves the discriminator's): "
+                   "its residual update is rewound, as plain DDP drops that gradient "
+                   "(on_unapplied='rewind'; 'keep' keeps it)", self.step)
 
     def _on_forward(self, module, args, output):
         if torch.is_grad_enabled():
@@ -842,6 +917,8 @@ class OMGSState:
             exchange = self._exchange
             self.meter.bucket_arrived(index)
             params = bucket.parameters()
+            if self.on_unapplied == "rewind":
+                self._step_params.extend(params)
             keys = [self._key(p) for p in params]
             for key, param in zip(keys, params):
                 self.memory.note_shape(key, param.shape)
@@ -861,6 +938,7 @@ class OMGSState:
             if last:
                 exchange.drain()
                 exchange.finish_issuing()
+                self._note_step_params()
                 self._end_step(exchange)
             exchange.hook_s += time.perf_counter() - entered
         except BaseException as exc:
@@ -869,7 +947,16 @@ class OMGSState:
             raise
         return future
 
+    def _note_step_params(self):
+        """The step's parameters and their versions (read before the optimizer can run:
+        backward is still in progress), for :meth:`_check_applied`."""
+        params, self._step_params = self._step_params, []
+        if self.on_unapplied == "rewind" and params and self._hooks:
+            self._applied_check = (params, [p._version for p in params])
+
     def _begin_step(self, bucket):
+        self._step_params = []
+        self._applied_check = None
         if self._device is None:
             self._first_bucket_setup(bucket)
         if self._exchange is not None and not self._exchange.finished:
@@ -1719,7 +1806,9 @@ class OMGSState:
         groups, dense groups, whether the step was non-finite, measured
         forward+backward+communication seconds, host seconds in top-k selection
         ``topk_s`` and in the hook body ``hook_s``), ``"total"``
-        (the same summed, plus re-plans and finished trials; ``"density"`` is the
+        (the same summed, plus re-plans, finished trials and ``"rewound_steps"``, the
+        steps whose residual update was undone because their gradient was cleared
+        without an optimizer step, see ``on_unapplied``; ``"density"`` is the
         achieved density of the steps *after* the dense warm-up - dense groups the plan
         chose count with all their elements - ``"sparse_group_density"`` that of the
         sparse groups alone, ``"density_all_steps"`` the old figure with the warm-up
@@ -2057,6 +2146,7 @@ class OMGSState:
         if replan:
             self.plan = None  # planned for another world size or other options
         self.step = int(sd.get("step", 0))
+        self._applied_check = None  # the residuals are the checkpoint's: nothing to rewind
         self.meter.load_state_dict(sd.get("measurements") or {})
         self.overhead.load_state_dict(sd.get("group_overhead") or {})
         self.writeback.load_state_dict(sd.get("writeback") or {})

@@ -34,6 +34,18 @@ Updates are *staged*: each group stages its new residuals, and the whole step is
 committed at once when every group of the step has been exchanged, or dropped (the old
 residuals stay) when the step turned out non-finite or failed.
 
+Rewinding the last commit
+-------------------------
+A committed step can be undone once, until the next step starts
+(:meth:`ResidualMemory.rewind_last_commit`): the hook does it when the step's gradient
+was cleared without an optimizer step (a GAN's discriminator gradients from the
+generator's step), as plain DDP drops such a gradient. The commit keeps what it
+replaced: the residual mapping, and the buffers it swapped, whose old ``current`` is
+the new ``spare`` and stays intact until the next step writes into it. Everything a
+step changes before its commit (migrations, adoptions into a shard) only changes how
+the same residual mass is stored, so the mapping as it was at the commit is a correct
+pre-step state. (Staleness counters are not rewound.)
+
 Shard stores (the two-level exchange, :mod:`omgs_hook.hierarchical`)
 --------------------------------------------------------------------
 A group sent by the two-level exchange keeps its residual only for the shard of the
@@ -217,6 +229,7 @@ class ResidualMemory:
         self._staged_shards = []  # ShardStores to swap at commit
         self._dense = {}  # keys tuple -> DenseShardBuffers (two-level dense groups)
         self._dense_used = set()  # keys tuples whose DenseShardBuffers this step used
+        self._undo = None  # what the last commit replaced (rewind_last_commit)
         self._lock = threading.Lock()
 
     # -- reading --------------------------------------------------------------
@@ -401,6 +414,8 @@ class ResidualMemory:
     def commit_staged(self):
         """Make every staged residual current (end of a finite, successful step)."""
         with self._lock:
+            self._undo = (dict(self._residuals), [b for b, _ in self._staged_groups],
+                          list(self._staged_shards), dict(self._groups), dict(self._dense))
             for buffers, taken in self._staged_groups:
                 for key in buffers.keys:
                     if key in taken:
@@ -431,7 +446,32 @@ class ResidualMemory:
     def discard_staged(self):
         """Drop staged updates: the residuals stay exactly as before the step."""
         with self._lock:
+            self._undo = None
             self._clear_step_locked()
+
+    def rewind_last_commit(self):
+        """Undo the last :meth:`commit_staged`: every residual as it was before that step,
+        bit for bit. Only until the next step writes into the buffers (call it before the
+        next step begins) and only once. Returns False when there is nothing to undo
+        (nothing committed since the last rewind, discard or load)."""
+        with self._lock:
+            if self._undo is None:
+                return False
+            residuals, groups_swapped, shards_swapped, groups, dense = self._undo
+            self._undo = None
+            for buffers in groups_swapped:
+                buffers.swap()
+            for store in shards_swapped:
+                store.swap()
+            self._residuals = residuals
+            self._groups = groups
+            self._dense = dense
+            return True
+
+    def forget_last_commit(self):
+        """The last commit is final (its gradient was applied): release what it replaced."""
+        with self._lock:
+            self._undo = None
 
     def _clear_step_locked(self):
         self._staged = {}
@@ -482,6 +522,7 @@ class ResidualMemory:
                         f"the parameter has {tuple(expected_shapes[key])}"
                     )
         with self._lock:
+            self._undo = None
             self._residuals = {}
             self._groups = {}
             self._shards = {}
@@ -495,6 +536,7 @@ class ResidualMemory:
     def move_to(self, device):
         """Move every residual to ``device`` (after loading a checkpoint saved elsewhere)."""
         with self._lock:
+            self._undo = None
             for key, tensor in list(self._residuals.items()):
                 if tensor.device != device:
                     self._residuals[key] = tensor.to(device)

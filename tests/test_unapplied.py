@@ -1,0 +1,170 @@
+"""A step whose gradient is thrown away, not applied (``on_unapplied``).
+
+A GAN's generator step runs backward through the discriminator; the discriminator's
+gradients are then cleared by its next ``zero_grad()`` without an optimizer step. Plain
+DDP drops them. With error feedback their unsent part would stay in the residual and be
+applied later, in the discriminator's own steps. The hook rewinds such a step's
+residual update at the module's next forward (2 gloo ranks)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import omgs_hook
+from omgs_hook.hook import UNAPPLIED_STREAK_LIMIT, OMGSState
+from ddp_harness import run_ranks
+
+# deterministic plans: one sparse group, no trial, no dense warm-up
+SPARSE = dict(density=0.1, strategy="single", select="model", allow_dense=False,
+              warmup_steps=0)
+
+
+def _disc():
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _residuals(state):
+    return {k: v.clone() for k, v in state.state_dict()["residuals"].items()}
+
+
+def _equal(a, b):
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def gan_worker(rank, world_size, mode, iterations=8, two_level=False):
+    """``mode``: "rewind", "keep" (on_unapplied) or "nosync" (the generator-side backward
+    under ``no_sync``, so the hook never sees it: the reference for "rewind")."""
+    torch.manual_seed(0)
+    disc = _disc()
+    ddp = DDP(disc, bucket_cap_mb=0)
+    options = dict(SPARSE, on_unapplied="keep" if mode == "keep" else "rewind")
+    if two_level:  # shard stores instead of group buffers: the same rewind
+        # pinned, so that the first plan goes into use at the same iteration in every
+        # mode (the two-level exchange's switch from the first step's group to the plan
+        # moves residuals between shards, which changes the math)
+        options.update(topology="hierarchical", ranks_per_node=2,
+                       plan={"groups": [[0, 1, 2, 3]]})
+    state = omgs_hook.register(ddp, **options)
+    opt = torch.optim.SGD(disc.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank + 1)
+    restored, moved = [], []
+    after_d = None
+    for it in range(iterations):
+        opt.zero_grad()
+        x = torch.randn(6, 8, generator=g)
+        out = ddp(x)  # the forward that decides: rewind the last step or not
+        if after_d is not None:
+            now = _residuals(state)
+            restored.append(_equal(now, after_d))
+            moved.append(not _equal(now, after_g))
+        out.pow(2).mean().backward()
+        opt.step()
+        after_d = _residuals(state)
+        # the "generator step": backward through the discriminator, its gradient unused
+        y = torch.randn(6, 8, generator=g)
+        if mode == "nosync":
+            with ddp.no_sync():
+                (ddp(y) - 1).pow(2).mean().backward()
+        else:
+            (ddp(y) - 1).pow(2).mean().backward()
+        after_g = _residuals(state)
+    params = torch.cat([p.detach().reshape(-1) for p in disc.parameters()])
+    total = state.stats()["total"]
+    state.close()
+    return {"params": params, "restored": restored, "moved": moved,
+            "rewound": total["rewound_steps"], "residual_keys": len(after_d)}
+
+
+def test_a_discarded_discriminator_step_is_rewound_as_if_it_never_reached_the_hook():
+    rewind = run_ranks("test_unapplied", "gan_worker", world_size=2, timeout=100, mode="rewind")
+    keep = run_ranks("test_unapplied", "gan_worker", world_size=2, timeout=100, mode="keep")
+    nosync = run_ranks("test_unapplied", "gan_worker", world_size=2, timeout=100, mode="nosync")
+    for r in range(2):
+        assert rewind[r]["residual_keys"] > 0  # the sparse path ran
+        # at every next forward the residuals are bit for bit those after the D step
+        assert all(rewind[r]["restored"]) and all(rewind[r]["moved"])
+        assert rewind[r]["rewound"] == 7  # the last generator step meets no next forward
+        # ... so the training equals the one whose generator-side backward never
+        # reached the hook (the same plans: one group, planned from no timing)
+        assert torch.equal(rewind[r]["params"], nosync[r]["params"])
+        # with "keep" the discarded gradient stays in the residual and moves the model
+        assert not any(keep[r]["restored"]) and keep[r]["rewound"] == 0
+        assert not torch.equal(keep[r]["params"], nosync[r]["params"])
+    assert torch.equal(rewind[0]["params"], rewind[1]["params"])
+
+
+def test_the_two_level_exchange_rewinds_its_shard_residuals_the_same_way():
+    kwargs = dict(world_size=4, timeout=150, two_level=True)
+    rewind = run_ranks("test_unapplied", "gan_worker", mode="rewind", **kwargs)
+    nosync = run_ranks("test_unapplied", "gan_worker", mode="nosync", **kwargs)
+    for r in range(4):
+        assert rewind[r]["residual_keys"] > 0
+        assert all(rewind[r]["restored"]) and all(rewind[r]["moved"])
+        assert rewind[r]["rewound"] == 7
+        assert torch.equal(rewind[r]["params"], nosync[r]["params"])
+
+
+def accumulate_worker(rank, world_size):
+    """Two backward passes into the same gradients, one optimizer step: nothing is
+    discarded, so nothing is rewound."""
+    torch.manual_seed(0)
+    disc = _disc()
+    ddp = DDP(disc, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, **SPARSE)
+    opt = torch.optim.SGD(disc.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank + 1)
+    kept = []
+    for it in range(6):
+        opt.zero_grad()  # cleared after an optimizer step: applied, nothing to rewind
+        ddp(torch.randn(6, 8, generator=g)).pow(2).mean().backward()
+        first = _residuals(state)
+        ddp(torch.randn(6, 8, generator=g)).pow(2).mean().backward()  # gradients kept
+        opt.step()
+        if it % 2:  # a forward with autograd right after the step (an evaluation)
+            ddp(torch.randn(6, 8, generator=g))
+        kept.append(not _equal(_residuals(state), first))
+    total = state.stats()["total"]
+    state.close()
+    return {"kept": kept, "rewound": total["rewound_steps"]}
+
+
+def test_accumulated_and_applied_gradients_are_never_rewound():
+    for result in run_ranks("test_unapplied", "accumulate_worker", world_size=2, timeout=100):
+        assert result["rewound"] == 0 and all(result["kept"])
+
+
+def data_update_worker(rank, world_size):
+    """An optimizer that writes ``p.data`` (no version bump): every step looks unapplied.
+    After the streak limit the hook stops rewinding and warns."""
+    torch.manual_seed(0)
+    disc = _disc()
+    ddp = DDP(disc, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, **SPARSE)
+    g = torch.Generator().manual_seed(rank + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(UNAPPLIED_STREAK_LIMIT + 4):
+            ddp(torch.randn(6, 8, generator=g)).pow(2).mean().backward()
+            for p in disc.parameters():
+                p.data.add_(p.grad, alpha=-0.05)
+                p.grad = None
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+                and "rewinding is off" in str(w.message)]
+    total = state.stats()["total"]
+    policy = state.on_unapplied
+    state.close()
+    return {"rewound": total["rewound_steps"], "policy": policy, "warned": len(messages)}
+
+
+def test_an_optimizer_writing_p_data_turns_rewinding_off_after_the_streak_limit():
+    for result in run_ranks("test_unapplied", "data_update_worker", world_size=2, timeout=100):
+        assert result["rewound"] == UNAPPLIED_STREAK_LIMIT
+        assert result["policy"] == "keep" and result["warned"] == 1
+
+
+def test_bad_on_unapplied_names_the_option():
+    with pytest.raises(ValueError, match="on_unapplied"):
+        OMGSState(on_unapplied="drop")
