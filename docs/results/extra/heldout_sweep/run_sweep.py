@@ -21,20 +21,24 @@ sys.path.insert(0, HERE)
 from ddp_harness import run_ranks  # noqa: E402
 
 
+def run_and_print(label, module, world, timeout, **kwargs):
+    """Run ``module.run_case`` on ``world`` ranks; print rank 0's result (and traceback)."""
+    try:
+        first = run_ranks(module, "run_case", world_size=world, timeout=timeout, **kwargs)[0]
+        tb = first.pop("tb", None)
+        print(first, flush=True)
+        if tb:
+            print(tb)
+    except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+        print(label, "HARNESS FAIL", str(exc)[-2000:], flush=True)
+
+
 def main():
     for c in sys.argv[1].split(","):
         case, _, mode = c.partition(":")
         world = 4 if mode.startswith("twolevel") else (1 if mode == "ws1" else 2)
-        try:
-            res = run_ranks("sweep_cases", "run_case", world_size=world, timeout=400, case=case,
-                            mode=("default" if mode in ("", "ws1") else mode))
-            first = res[0]
-            tb = first.pop("tb", None)
-            print(first, flush=True)
-            if tb:
-                print(tb)
-        except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
-            print(c, "HARNESS FAIL", str(exc)[-2000:], flush=True)
+        run_and_print(c, "sweep_cases", world, 400, case=case,
+                      mode=("default" if mode in ("", "ws1") else mode))
 
 
 if __name__ == "__main__":

@@ -18,24 +18,16 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "heldout_sweep"))
 sys.path.insert(0, HERE)
-from ddp_harness import run_ranks  # noqa: E402
+from run_sweep import run_and_print  # noqa: E402
 
 
 def main():
     for c in sys.argv[1].split(","):
         c, _, world = c.partition("@")
         case, _, mode = c.partition(":")
-        try:
-            res = run_ranks("sweep2_cases", "run_case", world_size=int(world or 2), timeout=120,
-                            case=case, mode=mode or "default")
-            for r in res[:1]:
-                tb = r.pop("tb", None)
-                print(r, flush=True)
-                if tb:
-                    print(tb)
-        except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
-            print(c, "HARNESS FAIL", str(exc)[-2000:], flush=True)
+        run_and_print(c, "sweep2_cases", int(world or 2), 120, case=case, mode=mode or "default")
 
 
 if __name__ == "__main__":
