@@ -34,7 +34,7 @@ def _equal(a, b):
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def gan_worker(rank, world_size, mode, iterations=8, two_level=False):
+def gan_worker(rank, world_size, mode, iterations=8, two_level=False, set_to_none=True):
     """``mode``: "rewind", "keep" (on_unapplied) or "nosync" (the generator-side backward
     under ``no_sync``, so the hook never sees it: the reference for "rewind")."""
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def gan_worker(rank, world_size, mode, iterations=8, two_level=False):
     restored, moved = [], []
     after_d = None
     for it in range(iterations):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         x = torch.randn(6, 8, generator=g)
         out = ddp(x)  # the forward that decides: rewind the last step or not
         if after_d is not None:
@@ -94,6 +94,15 @@ def test_a_discarded_discriminator_step_is_rewound_as_if_it_never_reached_the_ho
         assert not any(keep[r]["restored"]) and keep[r]["rewound"] == 0
         assert not torch.equal(keep[r]["params"], nosync[r]["params"])
     assert torch.equal(rewind[0]["params"], rewind[1]["params"])
+
+
+def test_gradients_zeroed_in_place_count_as_cleared():
+    kwargs = dict(world_size=2, timeout=100, set_to_none=False)
+    rewind = run_ranks("test_unapplied", "gan_worker", mode="rewind", **kwargs)
+    nosync = run_ranks("test_unapplied", "gan_worker", mode="nosync", **kwargs)
+    for r in range(2):
+        assert all(rewind[r]["restored"]) and rewind[r]["rewound"] == 7
+        assert torch.equal(rewind[r]["params"], nosync[r]["params"])
 
 
 def test_the_two_level_exchange_rewinds_its_shard_residuals_the_same_way():

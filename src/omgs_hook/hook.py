@@ -465,7 +465,7 @@ class OMGSState:
             ``"auto"``; an error for ``"hierarchical"``). Must divide the world size.
         on_unapplied (str): what happens to a step's error feedback when its gradient is
             thrown away instead of applied - the parameters' gradients were cleared
-            (``zero_grad()``, to None) and no optimizer step changed any of them before
+            (``zero_grad()``, to None or to zeros) and no optimizer step changed any of them before
             the module's next forward pass. That is how a GAN's generator step leaves the
             discriminator's gradients. Plain DDP drops such a gradient; with error
             feedback its unsent part would stay in the residual and be applied in a later
@@ -702,9 +702,11 @@ class OMGSState:
 
     def _check_applied(self):
         """At the first forward with autograd after a step: was that step's gradient
-        applied? Not when every parameter it reduced has its gradient cleared to None and
-        the same version as at the step's end (no optimizer step touched it): then its
-        residual update is rewound (``on_unapplied``). Local state only: no collective."""
+        applied? Not when every parameter it reduced has the same version as at the
+        step's end (no optimizer step touched it) and its gradient cleared - to None, or
+        to zeros by ``zero_grad(set_to_none=False)`` (read only once every version is
+        unchanged, which training steps never reach): then its residual update is
+        rewound (``on_unapplied``). Local state only: no collective."""
         check, self._applied_check = self._applied_check, None
         if check is None:
             return
@@ -714,11 +716,11 @@ class OMGSState:
             return
         if exchange.nonfinite:
             return  # dropped already (an AMP step the scaler skips): no evidence either way
-        for param, version in zip(params, versions):
-            if param.grad is not None or param._version != version:
-                self._unapplied_streak = 0
-                self.memory.forget_last_commit()
-                return
+        if any(p._version != v for p, v in zip(params, versions)) or any(
+                p.grad is not None and bool(p.grad.any()) for p in params):
+            self._unapplied_streak = 0
+            self.memory.forget_last_commit()
+            return
         self._unapplied_streak += 1
         if self._unapplied_streak > UNAPPLIED_STREAK_LIMIT:
             self.memory.forget_last_commit()
