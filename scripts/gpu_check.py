@@ -210,8 +210,12 @@ def _hook_worker(rank, world_size, port, device_name, steps, out_dir):
             model = make_net()
             ddp = DDP(model, bucket_cap_mb=0,
                       device_ids=[device.index] if device.type == "cuda" else None)
+            # on_unapplied="keep": the first check runs backward after backward with no
+            # optimizer step and compares each with the reference step; the hook would
+            # otherwise rewind those steps as gradients thrown away (as for a GAN)
             options = {"density": 0.01, "strategy": "layerwise", "allow_dense": False,
-                       "select": "model", "warmup_steps": 1, "log_every": 0}
+                       "select": "model", "warmup_steps": 1, "log_every": 0,
+                       "on_unapplied": "keep"}
             options.update(extra or {})
             return model, ddp, omgs_hook.register(ddp, **options)
 
