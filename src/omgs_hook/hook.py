@@ -465,11 +465,11 @@ class OMGSState:
             ``"auto"``; an error for ``"hierarchical"``). Must divide the world size.
         on_unapplied (str): what happens to a step's error feedback when its gradient is
             thrown away instead of applied - the parameters' gradients were cleared
-            (``zero_grad()``, to None or to zeros) and no optimizer step changed any of them before
-            the module's next forward pass. That is how a GAN's generator step leaves the
-            discriminator's gradients. Plain DDP drops such a gradient; with error
-            feedback its unsent part would stay in the residual and be applied in a later
-            step, pushing the discriminator the generator's way. ``"rewind"`` (default):
+            (``zero_grad()``, to None or to zeros) and no optimizer step changed any of
+            them before the module's next forward pass. That is how a GAN's generator
+            step leaves the discriminator's gradients. Plain DDP drops such a gradient;
+            with error feedback its unsent part would stay in the residual and be
+            applied in a later step, pushing the discriminator the generator's way. ``"rewind"`` (default):
             the step's residual update is undone at that next forward (bit-exact: the
             residuals are those before the step), counted in
             ``stats()["total"]["rewound_steps"]``, logged at WARNING the first time.
@@ -726,11 +726,12 @@ class OMGSState:
             self.memory.forget_last_commit()
             self.on_unapplied = "keep"
             warnings.warn(
-                f"omgs_hook: {UNAPPLIED_STREAK_LIMIT + 1} steps in a row ended with the "
+                f"omgs_hook: {UNAPPLIED_STREAK_LIMIT + 1} steps in a row ended with their "
                 "gradients cleared and no parameter's version changed: the optimizer seems "
-                "to update parameters without autograd seeing it (p.data); those steps' "
-                "residual updates were kept from this one on and rewinding is off "
-                "(on_unapplied='keep'). Pass on_unapplied='keep' to silence this.",
+                "to update parameters without autograd seeing it (p.data). The "
+                f"{UNAPPLIED_STREAK_LIMIT} steps before this one were rewound; from this "
+                "one on the residual keeps every step's update and rewinding is off. Pass "
+                "on_unapplied='keep' to keep those first steps too.",
                 RuntimeWarning, stacklevel=3)
             return
         if not self.memory.rewind_last_commit():
@@ -953,6 +954,7 @@ class OMGSState:
         """The step's parameters and their versions (read before the optimizer can run:
         backward is still in progress), for :meth:`_check_applied`."""
         params, self._step_params = self._step_params, []
+        # (self._hooks: the forward pre-hook that reads it exists, i.e. the module is known)
         if self.on_unapplied == "rewind" and params and self._hooks:
             self._applied_check = (params, [p._version for p in params])
 
