@@ -148,6 +148,23 @@ def test_rewind_restores_a_zeroed_residual_and_a_parked_one():
     assert memory.residual_source(buffers, 1, "b") is CURRENT
 
 
+def test_undo_state_dict_shows_the_rewound_residuals_and_changes_nothing():
+    memory = ResidualMemory()
+    keys, numels = ("a", "b"), (2, 3)
+    _step(memory, keys, numels,
+          {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0, 5.0])})
+    before = _snapshot(memory)
+    buffers = _step(memory, keys, numels, {"a": torch.ones(2), "b": torch.ones(3)})
+    after = _snapshot(memory)
+    undone = memory.undo_state_dict()
+    assert set(undone) == set(before) and all(torch.equal(undone[k], before[k]) for k in before)
+    assert _same(memory, after)  # the commit stands ...
+    assert memory.residual_source(buffers, 0, "a") is CURRENT
+    assert memory.rewind_last_commit()  # ... and can still be undone
+    assert _same(memory, before)
+    assert memory.undo_state_dict() is None
+
+
 def test_nothing_to_rewind_after_a_discard_a_forget_or_a_load():
     memory = ResidualMemory()
     _step(memory, ("a",), (2,), {"a": torch.tensor([1.0, 2.0])})

@@ -177,3 +177,51 @@ def test_an_optimizer_writing_p_data_turns_rewinding_off_after_the_streak_limit(
 def test_bad_on_unapplied_names_the_option():
     with pytest.raises(ValueError, match="on_unapplied"):
         OMGSState(on_unapplied="drop")
+
+
+def resume_worker(rank, world_size, resume_at=None, iterations=8, mode="rewind"):
+    """The GAN loop, checkpointed at the end of iteration ``resume_at - 1`` (after the
+    generator step, before the discriminator's next forward) and resumed into a new
+    model, DDP, optimizer and state through ``torch.load(weights_only=True)``."""
+    import io
+
+    def build():
+        torch.manual_seed(0)
+        disc = _disc()
+        ddp = DDP(disc, bucket_cap_mb=0)
+        state = omgs_hook.register(ddp, **dict(SPARSE, on_unapplied=mode))
+        return disc, ddp, state, torch.optim.SGD(disc.parameters(), lr=0.05, momentum=0.9)
+
+    disc, ddp, state, opt = build()
+    g = torch.Generator().manual_seed(rank + 1)
+    for it in range(iterations):
+        if it == resume_at:
+            buf = io.BytesIO()
+            torch.save({"model": disc.state_dict(), "opt": opt.state_dict(),
+                        "omgs": state.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            state.close()
+            disc, ddp, state, opt = build()
+            disc.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            state.load_state_dict(saved["omgs"])
+        opt.zero_grad()
+        ddp(torch.randn(6, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+        (ddp(torch.randn(6, 8, generator=g)) - 1).pow(2).mean().backward()
+    params = torch.cat([p.detach().reshape(-1) for p in disc.parameters()])
+    rewound = state.stats()["total"]["rewound_steps"]
+    state.close()
+    return {"params": params, "rewound": rewound}
+
+
+@pytest.mark.parametrize("mode", ["rewind", "keep"])
+def test_a_checkpoint_taken_after_the_generator_step_resumes_bit_exactly(mode):
+    whole = run_ranks("test_unapplied", "resume_worker", world_size=2, timeout=100, mode=mode)
+    resumed = run_ranks("test_unapplied", "resume_worker", world_size=2, timeout=100,
+                        mode=mode, resume_at=4)
+    for a, b in zip(whole, resumed):
+        assert torch.equal(a["params"], b["params"])
+        assert a["rewound"] == (7 if mode == "rewind" else 0)
+        assert b["rewound"] == a["rewound"]  # the totals travel with the checkpoint

@@ -710,11 +710,12 @@ class OMGSState:
         check, self._applied_check = self._applied_check, None
         if check is None:
             return
-        params, versions = check
+        params, versions, loaded = check
         exchange = self._exchange
-        if exchange is None or not exchange.finished or exchange.error is not None:
+        if loaded is None and (exchange is None or not exchange.finished
+                               or exchange.error is not None):
             return
-        if exchange.nonfinite:
+        if loaded is None and exchange.nonfinite:
             return  # dropped already (an AMP step the scaler skips): no evidence either way
         if any(p._version != v for p, v in zip(params, versions)) or any(
                 p.grad is not None and bool(p.grad.any()) for p in params):
@@ -734,7 +735,9 @@ class OMGSState:
                 "on_unapplied='keep' to keep those first steps too.",
                 RuntimeWarning, stacklevel=3)
             return
-        if not self.memory.rewind_last_commit():
+        if loaded is not None:  # resumed from a checkpoint taken before this decision
+            self.memory.load_state_dict(loaded, self._shapes)
+        elif not self.memory.rewind_last_commit():
             return
         self._totals["rewound_steps"] += 1
         level = logging.INFO if self._rewind_warned else logging.WARNING
@@ -956,7 +959,21 @@ class OMGSState:
         params, self._step_params = self._step_params, []
         # (self._hooks: the forward pre-hook that reads it exists, i.e. the module is known)
         if self.on_unapplied == "rewind" and params and self._hooks:
-            self._applied_check = (params, [p._version for p in params])
+            self._applied_check = (params, [p._version for p in params], None)
+
+    def _residuals_before_last_step(self):
+        """For a checkpoint taken after a step whose gradient no optimizer step has
+        touched yet (a GAN saved after its generator step): the residuals before that
+        step, so that a run resumed from it rewinds by the same rule as an uninterrupted
+        one (:meth:`_check_applied` at its first forward). None otherwise."""
+        check = self._applied_check
+        if check is None or self.on_unapplied != "rewind":
+            return None
+        params, versions, loaded = check
+        if any(p._version != v for p, v in zip(params, versions)):
+            return None
+        # (loaded: saved again before the decision of the checkpoint it was resumed from)
+        return loaded if loaded is not None else self.memory.undo_state_dict()
 
     def _begin_step(self, bucket):
         self._step_params = []
@@ -2048,7 +2065,9 @@ class OMGSState:
 
         ``"residuals"`` maps each parameter name (as in ``module.named_parameters()``;
         ``paramN`` without a module) to its residual, shaped like the parameter. Each
-        rank saves its own.
+        rank saves its own. ``"residuals_before_last_step"`` (or None) holds them as
+        they were before the last step while that step's gradient is neither applied
+        nor known to be dropped (``on_unapplied``), so that a resumed run can rewind it.
         """
         return {
             "format_version": STATE_FORMAT_VERSION,
@@ -2060,6 +2079,7 @@ class OMGSState:
             "select": self.select,
             "allow_dense": self.allow_dense,
             "residuals": self.memory.state_dict(),
+            "residuals_before_last_step": self._residuals_before_last_step(),
             "topology": self._saved_topology(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "measurements": self.meter.state_dict(),
@@ -2150,7 +2170,17 @@ class OMGSState:
         if replan:
             self.plan = None  # planned for another world size or other options
         self.step = int(sd.get("step", 0))
-        self._applied_check = None  # the residuals are the checkpoint's: nothing to rewind
+        # the residuals are the checkpoint's; if it was taken before the decision on its
+        # last step (see _residuals_before_last_step), the first forward decides it here
+        self._applied_check = None
+        before = sd.get("residuals_before_last_step")
+        if (before and not drop_residuals and self.on_unapplied == "rewind"
+                and self.module is not None):
+            self.memory.load_state_dict(before, self._shapes)  # validated like "residuals"
+            self.memory.load_state_dict(residuals, self._shapes)
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self._applied_check = (params, [p._version for p in params],
+                                   {k: v.detach().clone() for k, v in before.items()})
         self.meter.load_state_dict(sd.get("measurements") or {})
         self.overhead.load_state_dict(sd.get("group_overhead") or {})
         self.writeback.load_state_dict(sd.get("writeback") or {})

@@ -468,6 +468,26 @@ class ResidualMemory:
             self._dense = dense
             return True
 
+    def undo_state_dict(self):
+        """:meth:`state_dict` as it would be after :meth:`rewind_last_commit`, leaving
+        everything as it is (the rewind stays possible); None with nothing to undo."""
+        with self._lock:
+            undo = self._undo
+            if undo is None:
+                return None
+            after = (dict(self._residuals), dict(self._groups), dict(self._dense))
+        self.rewind_last_commit()
+        before = self.state_dict()
+        with self._lock:  # redo the commit: swap again, its mapping back, its record kept
+            _, groups_swapped, shards_swapped, _, _ = undo
+            for buffers in groups_swapped:
+                buffers.swap()
+            for store in shards_swapped:
+                store.swap()
+            self._residuals, self._groups, self._dense = after
+            self._undo = undo
+        return before
+
     def forget_last_commit(self):
         """The last commit is final (its gradient was applied): release what it replaced."""
         with self._lock:
