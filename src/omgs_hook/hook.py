@@ -74,7 +74,7 @@ from .group_plan import GroupPlan, check_exchange
 from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, comm_sums,
                            least_median_factor, slowest_rank_timeline, two_level_comm_sums)
 from .profile_file import Profile, default_profile, load_profile, profile_mismatches
-from .residual_memory import ResidualMemory
+from .residual_memory import ResidualMemory, check_residuals
 
 logger = logging.getLogger("omgs_hook")
 
@@ -469,9 +469,9 @@ class OMGSState:
             them before the module's next forward pass. That is how a GAN's generator
             step leaves the discriminator's gradients. Plain DDP drops such a gradient;
             with error feedback its unsent part would stay in the residual and be
-            applied in a later step, pushing the discriminator the generator's way. ``"rewind"`` (default):
-            the step's residual update is undone at that next forward (bit-exact: the
-            residuals are those before the step), counted in
+            applied in a later step, pushing the discriminator the generator's way.
+            ``"rewind"`` (default): the step's residual update is undone at that next
+            forward (bit-exact: the residuals are those before the step), counted in
             ``stats()["total"]["rewound_steps"]``, logged at WARNING the first time.
             ``"keep"``: the residual keeps it (error feedback of every backward pass).
             Needs ``module`` (the forward pre-hook); :func:`register` passes it. A
@@ -957,8 +957,9 @@ class OMGSState:
         """The step's parameters and their versions (read before the optimizer can run:
         backward is still in progress), for :meth:`_check_applied`."""
         params, self._step_params = self._step_params, []
-        # (self._hooks: the forward pre-hook that reads it exists, i.e. the module is known)
-        if self.on_unapplied == "rewind" and params and self._hooks:
+        # (collected only with on_unapplied="rewind"; self._hooks: the forward pre-hook
+        # that reads it exists, i.e. the module is known)
+        if params and self._hooks:
             self._applied_check = (params, [p._version for p in params], None)
 
     def _residuals_before_last_step(self):
@@ -2176,8 +2177,7 @@ class OMGSState:
         before = sd.get("residuals_before_last_step")
         if (before and not drop_residuals and self.on_unapplied == "rewind"
                 and self.module is not None):
-            self.memory.load_state_dict(before, self._shapes)  # validated like "residuals"
-            self.memory.load_state_dict(residuals, self._shapes)
+            check_residuals(before, self._shapes)
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._applied_check = (params, [p._version for p in params],
                                    {k: v.detach().clone() for k, v in before.items()})

@@ -79,6 +79,35 @@ def _concatenation(numels):
     return numels, tuple(offsets), total
 
 
+def check_residuals(residuals, expected_shapes=None):
+    """Raise ValueError naming the first entry of ``residuals`` ({name: tensor}) that is
+    not a float tensor, or (with ``expected_shapes``, {name: shape}) names no parameter or
+    has another shape."""
+    if not isinstance(residuals, dict):
+        raise ValueError("residuals must be a dict {parameter name: tensor}")
+    for key, tensor in residuals.items():
+        if not torch.is_tensor(tensor):
+            raise ValueError(f"residual for {key!r} is not a tensor")
+        if not tensor.is_floating_point():
+            raise ValueError(f"residual for {key!r} has non-float dtype {tensor.dtype}")
+        if expected_shapes is not None:
+            if key not in expected_shapes:
+                raise ValueError(
+                    f"residual for {key!r}: no such trainable parameter in the module"
+                )
+            if tuple(tensor.shape) != tuple(expected_shapes[key]):
+                raise ValueError(
+                    f"residual for {key!r} has shape {tuple(tensor.shape)}, "
+                    f"the parameter has {tuple(expected_shapes[key])}"
+                )
+
+
+def _swap_all(groups, shards):
+    """Swap the double buffers of ``groups`` and ``shards`` (a commit, or its undo)."""
+    for buffers in list(groups) + list(shards):
+        buffers.swap()
+
+
 class _DoubleBuffer:
     """Two fp32 buffers (``self._buffers``), one holding the committed residuals
     (``current``), the other written by a step (``spare``); committing is a swap."""
@@ -459,10 +488,7 @@ class ResidualMemory:
                 return False
             residuals, groups_swapped, shards_swapped, groups, dense = self._undo
             self._undo = None
-            for buffers in groups_swapped:
-                buffers.swap()
-            for store in shards_swapped:
-                store.swap()
+            _swap_all(groups_swapped, shards_swapped)
             self._residuals = residuals
             self._groups = groups
             self._dense = dense
@@ -479,11 +505,7 @@ class ResidualMemory:
         self.rewind_last_commit()
         before = self.state_dict()
         with self._lock:  # redo the commit: swap again, its mapping back, its record kept
-            _, groups_swapped, shards_swapped, _, _ = undo
-            for buffers in groups_swapped:
-                buffers.swap()
-            for store in shards_swapped:
-                store.swap()
+            _swap_all(undo[1], undo[2])
             self._residuals, self._groups, self._dense = after
             self._undo = undo
         return before
@@ -524,23 +546,7 @@ class ResidualMemory:
         Raises ValueError naming the first unknown parameter or mismatched shape, before
         anything is replaced.
         """
-        if not isinstance(residuals, dict):
-            raise ValueError("residuals must be a dict {parameter name: tensor}")
-        for key, tensor in residuals.items():
-            if not torch.is_tensor(tensor):
-                raise ValueError(f"residual for {key!r} is not a tensor")
-            if not tensor.is_floating_point():
-                raise ValueError(f"residual for {key!r} has non-float dtype {tensor.dtype}")
-            if expected_shapes is not None:
-                if key not in expected_shapes:
-                    raise ValueError(
-                        f"residual for {key!r}: no such trainable parameter in the module"
-                    )
-                if tuple(tensor.shape) != tuple(expected_shapes[key]):
-                    raise ValueError(
-                        f"residual for {key!r} has shape {tuple(tensor.shape)}, "
-                        f"the parameter has {tuple(expected_shapes[key])}"
-                    )
+        check_residuals(residuals, expected_shapes)
         with self._lock:
             self._undo = None
             self._residuals = {}
