@@ -11,6 +11,8 @@ its own DDP model built from the same initial weights::
     powersgd    PyTorch's PowerSGD hook, one bucket (as in bench_cluster.py)
     topk        omgs_hook strategy "single", topology="flat"          (one group)
     topk_hier   omgs_hook strategy "single", topology="hierarchical"
+    lags        omgs_hook strategy "layerwise", topology="flat"       (LAGS-SGD; on request)
+    lags_hier   omgs_hook strategy "layerwise", topology="hierarchical" (on request)
     omgs        omgs_hook strategy "optimal", topology="flat"         (flat OMGS)
     omgs_hier   omgs_hook strategy "optimal", topology="hierarchical" (two-level OMGS)
 
@@ -77,7 +79,11 @@ REPO_ROOT = bench.REPO_ROOT
 REFERENCE = bench.REFERENCE
 # omgs_hook variants: name -> (strategy, topology)
 OMGS_VARIANTS = {"topk": ("single", "flat"), "topk_hier": ("single", "hierarchical"),
-                 "omgs": ("optimal", "flat"), "omgs_hier": ("optimal", "hierarchical")}
+                 "omgs": ("optimal", "flat"), "omgs_hier": ("optimal", "hierarchical"),
+                 "lags": ("layerwise", "flat"), "lags_hier": ("layerwise", "hierarchical")}
+# run only when --hooks names them: a group per tensor, whose two-level groups go out
+# all through backward (where a hook call that waited for the network would hold it up)
+ON_REQUEST = ("lags", "lags_hier")
 # what a user gets: register() with only density and profile (topology "auto": the
 # measured selection also times flat plans on a two-level cluster)
 DEFAULT = "default"
@@ -85,7 +91,7 @@ HOOKED = tuple(OMGS_VARIANTS) + (DEFAULT,)
 HOOKS = ("allreduce", "powersgd") + HOOKED
 VARIANTS = (REFERENCE,) + HOOKS
 # hierarchical variant -> its flat counterpart
-PAIRS = {"omgs_hier": "omgs", "topk_hier": "topk"}
+PAIRS = {"omgs_hier": "omgs", "topk_hier": "topk", "lags_hier": "lags"}
 LABELS = {
     "compute": "compute only (no communication)",
     "allreduce": "allreduce (DDP default)",
@@ -94,6 +100,8 @@ LABELS = {
     "topk_hier": "TopK-SGD, two-level",
     "omgs": "OMGS-SGD, flat",
     "omgs_hier": "OMGS-SGD, two-level",
+    "lags": "LAGS-SGD, flat",
+    "lags_hier": "LAGS-SGD, two-level",
     "default": "omgs_hook default (auto)",
 }
 RESULT_PREFIX = "hier_"
@@ -124,7 +132,8 @@ def build_parser():
         help="ranks sharing each node's namespace (loopback between them)")
     add("--rate", default=DEFAULT_RATE, help="link rate between nodes (tc units, e.g. 14mbit)")
     add("--densities", type=bench._densities, default=[0.01])
-    add("--hooks", type=bench._csv("hook", HOOKS), default=list(HOOKS),
+    add("--hooks", type=bench._csv("hook", HOOKS),
+        default=[h for h in HOOKS if h not in ON_REQUEST],
         help="variants to compare (the compute-only reference always runs)")
     add("--steps", type=integer_at_least(1), default=5, help="timed steps per variant and round")
     add("--rounds", type=integer_at_least(1), default=3, help="interleaved rounds")

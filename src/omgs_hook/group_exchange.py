@@ -78,8 +78,12 @@ class StepExchange:
         # two-level exchange, its Subgroups
         self.topology = topology
         self.subgroups = subgroups
-        # two-level groups in flight: [generator, work handle it waits on] (hierarchical)
+        # two-level groups in flight, in send order: [generator, work handle it waits on,
+        # group index, collectives issued so far] (omgs_hook.hierarchical)
         self._pipelines = []
+        # resume a two-level group only once its collective completed (CPU: a hook call
+        # never waits for the network); set with the first two-level group
+        self.poll_stages = False
         self.selector = selector
         self.process_group = process_group
         self.world_size = world_size
@@ -421,9 +425,7 @@ class StepExchange:
         entry = communicator.VALUE_BYTES + communicator.INDEX_BYTES
         record.model_bytes = (k * entry, self.topology.nodes * k * entry)
         group = self._register(record)
-        stages = hierarchical.sparse_group(self, keys, numel, record)
-        self._pipelines.append([stages, None, group])
-        self._step_pipeline(self._pipelines[-1])
+        self._start_pipeline(hierarchical.sparse_group(self, keys, numel, record), keys, group)
 
     def _send_hierarchical_dense(self, keys, numel):
         from . import hierarchical
@@ -436,19 +438,27 @@ class StepExchange:
             numel, self.topology)
         record.model_bytes = (4 * size, 4 * size)
         group = self._register(record)
-        stages = hierarchical.dense_group(self, keys, numel, record)
-        self._pipelines.append([stages, None, group])
-        self._step_pipeline(self._pipelines[-1])
+        self._start_pipeline(hierarchical.dense_group(self, keys, numel, record), keys, group)
+
+    def _start_pipeline(self, stages, keys, group):
+        """Issue a two-level group's first collective (the intra-node reduce-scatter, in
+        send order on every rank) and keep the group in flight."""
+        self.poll_stages = self.arrived[keys[0]][1].device.type == "cpu"
+        entry = [stages, None, group, 0]
+        self._pipelines.append(entry)
+        if self._step_pipeline(entry):
+            self._pipelines.remove(entry)
 
     def _step_pipeline(self, entry):
-        """Wait for the entry's pending collective (if any) and run its next stage;
-        returns True when the generator is finished."""
-        stages, work, group = entry
+        """Wait for the entry's pending collective (if any) and run its next stage, which
+        issues the group's next collective; returns True when the generator is finished."""
+        stages, work, group, _ = entry
         try:
             if work is not None:
                 work.wait()
             with _range("hierarchical", group):
                 entry[1] = next(stages)
+            entry[3] += 1
             return False
         except StopIteration:
             return True
@@ -458,16 +468,43 @@ class StepExchange:
                 self._fail(exc, group_finished=True)
             raise
 
-    def advance(self):
-        """At a hook call: move every two-level group in flight one stage on (in send
-        order, identically on every rank)."""
-        if self._pipelines:
-            self._pipelines = [e for e in list(self._pipelines) if not self._step_pipeline(e)]
+    def advance(self, wait_first=False):
+        """At a hook call: move the two-level groups in flight on, in send order.
+
+        Stage ``s`` of every group uses one communicator (omgs_hook.hierarchical), so a
+        group may issue its next collective only after the group before it has issued
+        that many: each communicator then gets its collectives in group order on every
+        rank, whichever stages each rank's hook calls happen to run. With
+        ``poll_stages`` (CPU) a group waiting for its inter-node collective moves on only
+        when that has completed - the hook does not wait for the slow link, except for
+        the first group when ``wait_first`` (the drain); a group's intra-node
+        reduce-scatter is waited for, since gloo's never reports completion
+        (``is_completed()`` stays False until ``wait()``). Without it every group moves
+        one stage on (CUDA: the wait only orders streams). Returns whether any group
+        moved on."""
+        moved = False
+        kept = []
+        ahead = None  # collectives issued by the group before, still in flight
+        for index, entry in enumerate(list(self._pipelines)):
+            work, issued = entry[1], entry[3]
+            allowed = ahead is None or ahead > issued
+            ready = (not self.poll_stages or work is None or issued == 1
+                     or work.is_completed() or (wait_first and index == 0))
+            if allowed and ready:
+                moved = True
+                if self._step_pipeline(entry):
+                    continue  # finished: its last collective is issued
+            kept.append(entry)
+            ahead = entry[3]
+        self._pipelines = kept
+        return moved
 
     def drain(self):
-        """At the last bucket: run every two-level group to its last collective."""
+        """At the last bucket: run every two-level group to its last collective (waiting
+        for the first group in flight whenever no other one can move on)."""
         while self._pipelines:
-            self.advance()
+            if not self.advance():
+                self.advance(wait_first=True)
 
     def _issue(self, start_collective, finish, record):
         """Issue the group's collective (``start_collective() -> future``) and arrange for

@@ -31,10 +31,21 @@ the flat sparse and dense paths then send: summed over ranks, the same mass.
 Stages 1-3 each need the previous collective's result, and collectives may only be
 issued from the hook's own thread (a collective inside a future callback deadlocks gloo).
 The exchange is therefore a generator: it issues a collective and yields its work
-handle; :class:`~omgs_hook.group_exchange.StepExchange` waits for it and resumes the
-generator at the next hook call (the next bucket's arrival) or, at the last bucket, in a
-drain loop - at the same points on every rank, so the collectives' order agrees. Only
-the last stage's completion runs in a future callback (local work: unpack, scatter-add,
+handle; :class:`~omgs_hook.group_exchange.StepExchange` resumes the generator at a later
+hook call (a later bucket's arrival) or, at the last bucket, in a drain loop. On the CPU
+(gloo) a hook call resumes a group waiting for its inter-node collective only once that
+has completed, and never waits for it: backward goes on while the all-gather crosses the
+slow link (waiting for it at the next bucket, as the exchange first did, put the whole
+inter-node transfer on backward's critical path: 160-180 ms of a 380 ms step at
+5 Mbit/s). The intra-node reduce-scatter is waited for at the next hook call, since
+gloo's never reports completion. Which stages run at which hook call then depends on timing and differs
+between ranks, so each stage has a communicator of its own - stage 1 the intra-node
+group, stage 2 the inter-node group, stage 3 a second intra-node group
+(``Subgroups.intra_gather``) - and a group issues its stage only after the group sent
+before it has issued the same stage: every communicator sees its collectives in group
+order on every rank. On CUDA the wait only orders the streams, so a hook call moves
+every group one stage on, as before (stage 3 on the first intra-node group). Only the
+last stage's completion runs in a future callback (local work: unpack, scatter-add,
 write back, stage the residual).
 
 Dense groups (warm-up, ``density=1``, the plan's dense groups) take the two-level dense
@@ -150,7 +161,8 @@ def dense_group(ex, keys, numel, record):
     shard.div_(ex.world_size)
 
     def start():
-        work = communicator.all_gather_flat(source, shard, group=groups.intra, async_op=True)
+        work = communicator.all_gather_flat(source, shard, group=_last_stage_group(ex),
+                                            async_op=True)
         return work.get_future()
 
     def finish():
@@ -245,7 +257,8 @@ def sparse_group(ex, keys, numel, record):
     def start():
         out = gathered.new_empty(L * gathered.numel())
         everything.append(out)
-        work = communicator.all_gather_flat(out, gathered, group=groups.intra, async_op=True)
+        work = communicator.all_gather_flat(out, gathered, group=_last_stage_group(ex),
+                                            async_op=True)
         return work.get_future()
 
     def finish():
@@ -277,6 +290,15 @@ def _finish(ex, keys, store, segments, gathered, k, numel, size, foreign):
         ex.memory.stage(key, None)  # added before the reduce-scatter: now in the shard sums
     if not nonfinite_any:
         ex.writeback_samples.append((numel, time.perf_counter() - started))
+
+
+def _last_stage_group(ex):
+    """The communicator of stage 3: a group's own when stages run as their collectives
+    complete (``ex.poll_stages``, module docstring), else the intra-node group."""
+    groups = ex.subgroups
+    if ex.poll_stages and groups.intra_gather is not None:
+        return groups.intra_gather
+    return groups.intra
 
 
 def _time_inter(ex, work, record, issued):

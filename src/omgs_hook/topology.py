@@ -12,9 +12,12 @@ node, else flat. ``"hierarchical"`` asked for explicitly is also accepted with o
 (the two-level exchange within a node: top-k of the node's summed gradient) or with one
 rank per node (the reduce-scatter and the final all-gather are then over one rank).
 
-``build_subgroups`` creates the two families of process groups the two-level exchange
-uses - one *intra-node* group per node (its L ranks) and one *inter-node* group per local
-rank (the N ranks with that local rank, one per node) - once, with every rank calling
+``build_subgroups`` creates the three families of process groups the two-level exchange
+uses - one *intra-node* group per node (its L ranks), one *inter-node* group per local
+rank (the N ranks with that local rank, one per node) and a second intra-node group per
+node for the exchange's last stage (one communicator per stage, so that each sees its
+collectives in group order however the stages of different groups interleave; see
+``omgs_hook.hierarchical``) - once, with every rank calling
 ``torch.distributed.new_group`` for every subgroup in the same order (new_group must be
 called by all ranks of the parent group, also for groups they are not in). Before it
 creates any, it checks with :func:`check_agreement` (one small all-gather) that every
@@ -112,11 +115,13 @@ def resolve_topology(topology, ranks_per_node, world_size, rank, env=None):
 
 @dataclasses.dataclass
 class Subgroups:
-    """This rank's intra-node group (its node's L ranks, in local-rank order) and
-    inter-node group (the N ranks of its local rank, in node order)."""
+    """This rank's intra-node group (its node's L ranks, in local-rank order), inter-node
+    group (the N ranks of its local rank, in node order) and a second intra-node group
+    over the same ranks for the exchange's last stage (None: use ``intra``)."""
 
     intra: object
     inter: object
+    intra_gather: object = None
 
 
 _KIND_CODES = {"flat": 0, "hierarchical": 1}
@@ -208,7 +213,7 @@ def build_subgroups(topo, process_group=None):
             return r
         return dist.get_global_rank(process_group, r)
 
-    intra = inter = None
+    intra = inter = intra_gather = None
     for node in range(N):  # every rank creates every group, in this order
         ranks = [global_rank(node * L + l) for l in range(L)]
         group = dist.new_group(ranks)
@@ -219,4 +224,9 @@ def build_subgroups(topo, process_group=None):
         group = dist.new_group(ranks)
         if local == topo.local_rank:
             inter = group
-    return Subgroups(intra=intra, inter=inter)
+    for node in range(N):
+        ranks = [global_rank(node * L + l) for l in range(L)]
+        group = dist.new_group(ranks)
+        if node == topo.node:
+            intra_gather = group
+    return Subgroups(intra=intra, inter=inter, intra_gather=intra_gather)
