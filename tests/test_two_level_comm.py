@@ -274,7 +274,10 @@ def measured_worker(rank, world_size, profile, steps, replan_every):
             retrial = trial
     layout = state.plan.layout
     stats = state.stats()
-    # the same inputs with and without the measured scaling (collective: every rank)
+    # the same inputs with and without the measured scaling (collective: every rank),
+    # without the trial's correction: its dense term (a fit of real backward times, so
+    # sometimes non-zero) is added to inter_dense's beta after the scaling
+    state._correction = None
     scaled, inputs = state._build_instance(layout)
     scaled_flat = state._flat_instance[1]
     state.measured_comm = False
