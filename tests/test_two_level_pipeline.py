@@ -96,39 +96,24 @@ def test_a_hook_call_never_waits_and_each_stage_keeps_group_order(seed):
     for g in range(groups):
         stages = [e[1] for e in log if e[0] == "issue" and e[2] == g]
         assert stages == [1, 2, 3]
-    # a wait for an inter-node collective (stage 2) that had not completed: only in the
-    # drain (for the first group in flight, when nothing else could move on). A
-    # reduce-scatter (stage 1) is waited for: gloo's never reports completion.
+    # a wait for a collective that had not completed: only in the drain (for the first
+    # group in flight, when nothing else could move on)
     drain_started = max(i for i, e in enumerate(log) if e[0] == "issue" and e[1] == 1)
     for i, event in enumerate(log):
-        if event[0] == "wait" and not event[3] and event[1] == 2:
+        if event[0] == "wait" and not event[3]:
             assert i > drain_started, f"a hook call waited for the network: {event}"
 
 
 def test_the_old_blocking_driver_fails_the_no_wait_check():
     # the check above can fail: a driver that waits for every group at every hook call
-    # waits for inter-node collectives that have not completed before the last group is
-    # sent
+    # waits for collectives that have not completed before the last group is sent
     waited_early = False
     for seed in range(10):
         log = run_step(random.Random(seed), groups=6, blocking_driver=True)
         last_send = max(i for i, e in enumerate(log) if e[0] == "issue" and e[1] == 1)
-        waited_early |= any(e[0] == "wait" and not e[3] and e[1] == 2 and i < last_send
+        waited_early |= any(e[0] == "wait" and not e[3] and i < last_send
                             for i, e in enumerate(log))
     assert waited_early
-
-
-def test_a_reduce_scatter_is_waited_for_at_the_next_hook_call():
-    # gloo's reduce-scatter never reports completion: polling it would leave every
-    # group's top-k and inter-node all-gather to the drain
-    ex = exchange()
-    log, works = [], []
-    ex._start_pipeline(fake_group(log, works, 0), ["p"], 0)
-    assert ex.advance() is True
-    assert log[-2:] == [("wait", 1, 0, False), ("issue", 2, 0)]
-    assert ex.advance() is False  # the inter-node collective is still running
-    works[1].done = True
-    assert ex.advance() is True and log[-1] == ("issue", 3, 0) and ex._pipelines == []
 
 
 def test_a_group_waits_for_the_group_before_it_on_the_same_stage():
@@ -160,3 +145,41 @@ def test_on_cuda_tensors_every_hook_call_moves_each_group_one_stage():
     ex.advance()
     assert issues_per_stage(log) == {1: [0], 2: [0]}
     assert log[-2] == ("wait", 1, 0, False)  # waited although not completed
+
+
+# -- communicator.start_shard_sum on gloo: what stage 1 computes -------------------------
+def _shard_sum_worker(rank, world_size, size):
+    import time
+
+    import torch.distributed as dist
+
+    from omgs_hook import communicator
+
+    generator = torch.Generator().manual_seed(1234 + rank)
+    source = torch.randn(world_size * size, generator=generator)
+    shard = torch.empty(size)
+    receive = torch.empty(world_size * size)
+    work, complete = communicator.start_shard_sum(shard, source, None, receive)
+    deadline = time.monotonic() + 30
+    while not work.is_completed():  # it reports completion (gloo's reduce-scatter does not)
+        assert time.monotonic() < deadline, "the all-to-all never reported completion"
+        time.sleep(0.001)
+    work.wait()
+    complete()
+    reduce_scattered = torch.empty(size)
+    communicator.reduce_scatter_flat(reduce_scattered, source, async_op=True).wait()
+    sources = [torch.randn(world_size * size, generator=torch.Generator().manual_seed(1234 + r))
+               for r in range(world_size)]
+    exact = sum(s.double() for s in sources)[rank * size:(rank + 1) * size]
+    return shard, reduce_scattered, exact
+
+
+@pytest.mark.multiprocess
+def test_stage_one_on_the_cpu_sums_the_shards_and_reports_completion():
+    from ddp_harness import run_ranks
+
+    results = run_ranks("test_two_level_pipeline", "_shard_sum_worker", world_size=3,
+                        timeout=120, size=1000)
+    for shard, reduce_scattered, exact in results:
+        torch.testing.assert_close(shard.double(), exact, rtol=0, atol=1e-5)
+        torch.testing.assert_close(shard, reduce_scattered, rtol=1e-6, atol=1e-6)

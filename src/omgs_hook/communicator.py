@@ -27,6 +27,30 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def start_shard_sum(shard, source, group, receive):
+    """Stage 1 of the two-level exchange: after it, ``shard`` (S elements) holds the sum
+    over the L ranks of ``group`` of their ``source`` (``L * S`` elements) at this rank's
+    shard. Returns ``(work, complete)``; call ``complete()``, when not None, after the
+    work has completed, to form the sum.
+
+    On CUDA this is NCCL's reduce-scatter. On the CPU it is an all-to-all of the shards
+    (``receive``: ``L * S`` elements) and a local sum over the L copies: gloo's
+    reduce-scatter is slower at every size measured (2 ranks on loopback, 262k floats:
+    1.9 ms against 1.0 ms; 2M: 11.4 against 6.8 ms; 8M: 44.8 against 35.6 ms) and never
+    reports completion (``is_completed()`` stays False until ``wait()``), which the hook's
+    non-blocking driver needs. The bytes each rank sends are the same, ``(L - 1) * S``
+    elements; the sum runs in local-rank order, the same on every run."""
+    if shard.device.type != "cpu":
+        return reduce_scatter_flat(shard, source, group=group, async_op=True), None
+    work = dist.all_to_all_single(receive, source, group=group, async_op=True)
+    ranks = receive.numel() // shard.numel()
+
+    def complete():
+        torch.sum(receive.view(ranks, shard.numel()), dim=0, out=shard)
+
+    return work, complete
+
+
 def payload_numel(k):
     """Length (float32 elements) of one rank's packed payload carrying k entries."""
     return 2 * k + 1

@@ -475,21 +475,20 @@ class StepExchange:
         group may issue its next collective only after the group before it has issued
         that many: each communicator then gets its collectives in group order on every
         rank, whichever stages each rank's hook calls happen to run. With
-        ``poll_stages`` (CPU) a group waiting for its inter-node collective moves on only
-        when that has completed - the hook does not wait for the slow link, except for
-        the first group when ``wait_first`` (the drain); a group's intra-node
-        reduce-scatter is waited for, since gloo's never reports completion
-        (``is_completed()`` stays False until ``wait()``). Without it every group moves
-        one stage on (CUDA: the wait only orders streams). Returns whether any group
-        moved on."""
+        ``poll_stages`` (CPU) a group moves on only when its collective has completed -
+        the hook never waits for the network, except for the first group when
+        ``wait_first`` (the drain). (Stage 1 is an all-to-all there, which reports its
+        completion; gloo's reduce-scatter does not: ``communicator.start_shard_sum``.)
+        Without it every group moves one stage on (CUDA: the wait only orders streams).
+        Returns whether any group moved on."""
         moved = False
         kept = []
         ahead = None  # collectives issued by the group before, still in flight
         for index, entry in enumerate(list(self._pipelines)):
             work, issued = entry[1], entry[3]
             allowed = ahead is None or ahead > issued
-            ready = (not self.poll_stages or work is None or issued == 1
-                     or work.is_completed() or (wait_first and index == 0))
+            ready = (not self.poll_stages or work is None or work.is_completed()
+                     or (wait_first and index == 0))
             if allowed and ready:
                 moved = True
                 if self._step_pipeline(entry):

@@ -37,8 +37,9 @@ hook call (a later bucket's arrival) or, at the last bucket, in a drain loop. On
 has completed, and never waits for it: backward goes on while the all-gather crosses the
 slow link (waiting for it at the next bucket, as the exchange first did, put the whole
 inter-node transfer on backward's critical path: 160-180 ms of a 380 ms step at
-5 Mbit/s). The intra-node reduce-scatter is waited for at the next hook call, since
-gloo's never reports completion. Which stages run at which hook call then depends on timing and differs
+5 Mbit/s). Stage 1 on the CPU is an all-to-all of the shards and a local sum
+(``communicator.start_shard_sum``): gloo's reduce-scatter never reports completion, and
+is slower. Which stages run at which hook call then depends on timing and differs
 between ranks, so each stage has a communicator of its own - stage 1 the intra-node
 group, stage 2 the inter-node group, stage 3 a second intra-node group
 (``Subgroups.intra_gather``) - and a group issues its stage only after the group sent
@@ -147,10 +148,13 @@ def dense_group(ex, keys, numel, record):
             if factor is not None:
                 grad_sq = grad_sq * factor.square()
             ex.health.append([grad_sq, source.new_zeros(())])  # everything is sent
-    work = communicator.reduce_scatter_flat(shard, source, group=groups.intra, async_op=True)
+    work, complete = communicator.start_shard_sum(shard, source, groups.intra,
+                                                  scratch.receive_buffer())
     yield work
 
     # -- stage 2: the all-reduce of the node sums of this shard between nodes
+    if complete is not None:
+        complete()
     inter_issued = time.perf_counter()
     work = dist.all_reduce(shard, group=groups.inter, async_op=True)
     _time_inter(ex, work, record, inter_issued)
@@ -220,12 +224,15 @@ def sparse_group(ex, keys, numel, record):
             o = offsets[key]
             source[o:o + ex.arrived[key][1].numel()] += memory.get(key)
     shard_sum = store.shard_sum
-    work = communicator.reduce_scatter_flat(shard_sum, source, group=groups.intra, async_op=True)
+    work, complete = communicator.start_shard_sum(shard_sum, source, groups.intra,
+                                                  store.receive_buffer())
     assembled = time.perf_counter()
     yield work
 
     # -- stage 2: the owner's accumulator, top-k, the inter-node all-gather
     resumed = time.perf_counter()
+    if complete is not None:
+        complete()
     current, acc = store.current, store.spare
     parked = [(s_start, n) for key, _, s_start, n in store.key_ranges() if key in ex.parked]
     torch.add(shard_sum, current, out=acc)

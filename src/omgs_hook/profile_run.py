@@ -721,9 +721,13 @@ def intra_reduce_scatter_call(nbytes, device, generator, group):
     ranks = dist.get_world_size(group)
     source = torch.randn(ranks * shard, generator=generator).to(device)
     out = torch.empty(shard, device=device)
+    receive = torch.empty(ranks * shard, device=device)
 
-    def call():
-        communicator.reduce_scatter_flat(out, source, group=group, async_op=True).wait()
+    def call():  # the hook's own stage 1 (an all-to-all and a sum on the CPU)
+        work, complete = communicator.start_shard_sum(out, source, group, receive)
+        work.wait()
+        if complete is not None:
+            complete()
 
     return call
 

@@ -170,7 +170,7 @@ class ShardStore(_DoubleBuffer):
     padding, always zero), plus the step's working buffers."""
 
     __slots__ = ("keys", "numels", "offsets", "numel", "lo", "size", "_buffers", "_current",
-                 "padded", "_staging", "shard_sum")
+                 "padded", "_staging", "_receive", "shard_sum")
 
     def __init__(self, keys, numels, lo, size, padded, device):
         self.keys = tuple(keys)
@@ -183,12 +183,19 @@ class ShardStore(_DoubleBuffer):
         # place), and the reduce-scatter's output - per step, kept to avoid reallocation
         self.padded = int(padded)
         self._staging = None
+        self._receive = None
         self.shard_sum = torch.empty(size, dtype=torch.float32, device=device)
 
     def staging_buffer(self):
         if self._staging is None:
             self._staging = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         return self._staging
+
+    def receive_buffer(self):
+        """The L copies of this rank's shard (communicator.start_shard_sum on the CPU)."""
+        if self._receive is None:
+            self._receive = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+        return self._receive
 
 
 
@@ -211,6 +218,7 @@ class ShardStore(_DoubleBuffer):
         self._buffers = [b.to(device) for b in self._buffers]
         if self._staging is not None:
             self._staging = self._staging.to(device)
+        self._receive = None
         self.shard_sum = self.shard_sum.to(device)
 
 
@@ -220,12 +228,13 @@ class DenseShardBuffers:
     it is also the all-gather's output), and the rank's shard, ``size`` fp32 elements
     (the reduce-scatter's output, all-reduced between nodes in place)."""
 
-    __slots__ = ("padded", "shard", "_staging")
+    __slots__ = ("padded", "shard", "_staging", "_receive")
 
     def __init__(self, padded, size, device):
         self.padded = int(padded)
         self.shard = torch.empty(size, dtype=torch.float32, device=device)
         self._staging = None
+        self._receive = None
 
     @property
     def device(self):
@@ -235,6 +244,12 @@ class DenseShardBuffers:
         if self._staging is None:
             self._staging = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         return self._staging
+
+    def receive_buffer(self):
+        """The L copies of this rank's shard (communicator.start_shard_sum on the CPU)."""
+        if self._receive is None:
+            self._receive = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+        return self._receive
 
 
 class ResidualMemory:
