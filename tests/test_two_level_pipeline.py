@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from omgs_hook.group_exchange import StepExchange
+from omgs_hook.hierarchical import _last_stage_group
+from omgs_hook.topology import Subgroups, gpu_only_backend
 
 STAGES = 3  # reduce-scatter, inter-node collective, intra-node all-gather
 
@@ -47,6 +49,7 @@ def exchange(device="cpu"):
     ex = StepExchange(memory=None, selector=None, process_group=None, world_size=4,
                       density=0.01)
     ex.arrived = {"p": (0, torch.zeros(1, device=device), 0)}
+    ex.subgroups = Subgroups(intra="intra", inter="inter", intra_gather="intra_gather")
     return ex
 
 
@@ -134,6 +137,25 @@ def test_a_group_waits_for_the_group_before_it_on_the_same_stage():
     inter0.done = True
     assert ex.advance() is True
     assert issues_per_stage(log)[3] == [0, 1]
+
+
+def test_stage_three_has_its_own_process_group_only_where_stages_are_polled():
+    ex = exchange()
+    ex._start_pipeline(fake_group([], [], 0), ["p"], 0)
+    assert ex.poll_stages and _last_stage_group(ex) == "intra_gather"
+    # no such group (an NCCL-only world makes none): no polling, stage 3 on the intra group
+    ex = exchange()
+    ex.subgroups = Subgroups(intra="intra", inter="inter")
+    ex._start_pipeline(fake_group([], [], 0), ["p"], 0)
+    assert not ex.poll_stages and _last_stage_group(ex) == "intra"
+
+
+@pytest.mark.parametrize("backend, gpu_only", [
+    ("gloo", False), ("nccl", True), ("NCCL", True), ("cpu:gloo,cuda:nccl", False),
+    ("cuda:nccl", True), ("mpi", False)])
+def test_which_backends_get_the_last_stage_groups(backend, gpu_only):
+    # build_subgroups makes the last stage's own groups unless the backend is GPU-only
+    assert gpu_only_backend(backend) is gpu_only
 
 
 def test_on_cuda_tensors_every_hook_call_moves_each_group_one_stage():

@@ -443,7 +443,9 @@ class StepExchange:
     def _start_pipeline(self, stages, keys, group):
         """Issue a two-level group's first collective (the intra-node reduce-scatter, in
         send order on every rank) and keep the group in flight."""
-        self.poll_stages = self.arrived[keys[0]][1].device.type == "cpu"
+        # (the same on every rank: one device type, one backend)
+        self.poll_stages = (self.arrived[keys[0]][1].device.type == "cpu"
+                            and self.subgroups.intra_gather is not None)
         entry = [stages, None, group, 0]
         self._pipelines.append(entry)
         if self._step_pipeline(entry):

@@ -128,6 +128,13 @@ _KIND_CODES = {"flat": 0, "hierarchical": 1}
 _REQUESTED_CODES = {name: i for i, name in enumerate(TOPOLOGIES)}
 
 
+def gpu_only_backend(backend):
+    """True for a process-group backend that only takes GPU tensors (NCCL without a CPU
+    backend beside it, e.g. ``"nccl"``); False for gloo, ``"cpu:gloo,cuda:nccl"`` etc."""
+    backend = str(backend).lower()
+    return "nccl" in backend and "gloo" not in backend and "cpu:" not in backend
+
+
 def _agreement_device(process_group):
     """Where the agreement's tensor must live: for an NCCL-only group the GPU it is bound
     to (``init_process_group(device_id=...)``), else the current one - as torch's own
@@ -136,8 +143,7 @@ def _agreement_device(process_group):
     import torch
     import torch.distributed as dist
 
-    backend = str(dist.get_backend(process_group)).lower()
-    if "nccl" in backend and "gloo" not in backend and "cpu:" not in backend:
+    if gpu_only_backend(dist.get_backend(process_group)):
         group = process_group if process_group is not None else dist.group.WORLD
         bound = getattr(group, "bound_device_id", None)
         return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
@@ -224,9 +230,13 @@ def build_subgroups(topo, process_group=None):
         group = dist.new_group(ranks)
         if local == topo.local_rank:
             inter = group
-    for node in range(N):
-        ranks = [global_rank(node * L + l) for l in range(L)]
-        group = dist.new_group(ranks)
-        if node == topo.node:
-            intra_gather = group
+    # the last stage's own groups serve the CPU's non-blocking stage driver only (on CUDA
+    # stage 3 stays on the intra-node group): an NCCL-only world makes none (the same
+    # decision on every rank: one backend)
+    if not gpu_only_backend(dist.get_backend(process_group)):
+        for node in range(N):
+            ranks = [global_rank(node * L + l) for l in range(L)]
+            group = dist.new_group(ranks)
+            if node == topo.node:
+                intra_gather = group
     return Subgroups(intra=intra, inter=inter, intra_gather=intra_gather)
