@@ -1,6 +1,7 @@
 """The hot path's pieces on their own: persistent group buffers, all-or-nothing commits,
 and the scatter of averaged sparse entries straight into bucket buffers."""
 
+import math
 import torch
 
 from omgs_hook.group_exchange import _offset_in, _scatter_average
@@ -235,3 +236,14 @@ def test_offset_in_bucket_buffer():
     assert _offset_in(buffer[3:7], buffer) == 3
     assert _offset_in(torch.zeros(4), buffer) is None  # another storage
     assert _offset_in(buffer[::2], buffer) is None  # not contiguous
+
+
+def test_total_norm_does_not_depend_on_the_order_residuals_were_stored_in():
+    # squares 1e16, 1, 1: added in storage order, (1e16 + 1) + 1 loses both ones and
+    # (1 + 1) + 1e16 keeps them, so a plain running sum differs between a run and its
+    # resume (a state dict lists the residuals in another order)
+    big, small = torch.tensor([1e8]), torch.tensor([1.0])
+    first, second = ResidualMemory(), ResidualMemory()
+    first.load_state_dict({"a": big, "b": small, "c": small.clone()})
+    second.load_state_dict({"b": small, "c": small.clone(), "a": big})
+    assert first.total_norm() == second.total_norm() == math.sqrt(1e16 + 2)

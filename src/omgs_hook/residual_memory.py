@@ -61,6 +61,7 @@ run whose trial switches from the two-level to the flat exchange), so a flat gro
 always finds its whole residual among the per-parameter ones.
 """
 
+import math
 import threading
 
 import torch
@@ -295,13 +296,12 @@ class ResidualMemory:
         self._shapes[key] = tuple(shape)
 
     def total_norm(self):
-        """L2 norm over every stored residual (for monitoring)."""
-        sq = 0.0
-        for tensor in self._residuals.values():
-            sq += float(tensor.double().pow(2).sum())
-        for store in self._shards.values():
-            sq += float(store.current.double().pow(2).sum())
-        return sq ** 0.5
+        """L2 norm over every stored residual (for monitoring). The per-tensor sums are
+        added exactly (``math.fsum``): the result does not depend on the order the
+        residuals were stored in, which differs between a run and its resume."""
+        parts = [float(tensor.double().pow(2).sum()) for tensor in self._residuals.values()]
+        parts += [float(store.current.double().pow(2).sum()) for store in self._shards.values()]
+        return math.fsum(parts) ** 0.5
 
     # -- shard stores (the two-level exchange; the hook's thread) ----------------
     def shard_store(self, keys, numels, lo, size, padded, device):
