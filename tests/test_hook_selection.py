@@ -185,9 +185,19 @@ def test_a_load_spell_in_the_trial_is_seen_by_the_probe_and_retaken(guard):
         assert report["retaken"] == [victim] and disturbed[victim] == 2
         assert sum(disturbed.values()) == 2
         assert report["winner"] == victim == stats[0]["plan"]["strategy"]
-    else:  # the same spell without the guard: the victim loses its screen round
+    else:  # the same spell without the guard: nothing is seen or retaken
         assert report["retaken"] == [] and sum(disturbed.values()) == 0
-        assert report["winner"] != victim
+        # and the victim loses its screen round - whenever another candidate beats its
+        # doubled time. How many candidates survive the model's pruning depends on the
+        # really measured backward times: with only the model's choice besides it (rank
+        # 1's +50 ms makes that one slower than any doubled plan) it still wins.
+        _, slowest = expected_winner(report, 2)
+        names = [c["name"] for c in report["candidates"]]
+        doubled = 2 * slowest[names.index(victim)]
+        if any(t < doubled for n, t in zip(names, slowest) if n != victim):
+            assert report["winner"] != victim
+        else:
+            assert report["winner"] == victim
     # the hook's real probe on CPU: this step's forward, measured at bucket 0
     for r in results:
         assert r["real"] and all(x is not None and 0 < x < 5 for x in r["real"]), r["real"]
@@ -219,9 +229,17 @@ def test_gradients_after_plan_switches_equal_the_reference():
     assert history == results[1]["stats"]["plan_history"]
 
 
-def resume_in_trial_worker(rank, world_size, ckpt_dir, first, total):
+def resume_in_trial_worker(rank, world_size, ckpt_dir, total):
     model, ddp, state, opt = build(rank)
-    train_steps(ddp, opt, 0, first, rank)
+    # checkpoint 2 steps into the trial: when it starts and how long it runs depend on
+    # how many candidates survive the model's pruning (really measured backward times);
+    # the trial state is gathered, so every rank stops at the same step
+    first = 0
+    while state._trial is None and first < total - 2:
+        train_steps(ddp, opt, first, first + 1, rank)
+        first += 1
+    train_steps(ddp, opt, first, first + 2, rank)
+    first += 2
     in_trial = state.stats()["selection"]["trial"] is not None
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
@@ -247,13 +265,14 @@ def resume_in_trial_worker(rank, world_size, ckpt_dir, first, total):
             "winner": (stats_a["selection"]["last_trial"]["winner"],
                        stats_b["selection"]["last_trial"]["winner"]),
             "history": (stats_a["plan_history"], stats_b["plan_history"]),
-            "residual": (stats_a["residual_norm"], stats_b["residual_norm"])}
+            "residual": (stats_a["residual_norm"], stats_b["residual_norm"]), "first": first}
 
 
 @pytest.mark.timeout(180)
 def test_checkpoint_and_resume_during_a_trial_is_bit_exact(tmp_path):
     results = run_ranks("test_hook_selection", "resume_in_trial_worker", world_size=2,
-                        ckpt_dir=str(tmp_path), first=11, total=46)
+                        ckpt_dir=str(tmp_path), total=46)
+    assert results[0]["first"] == results[1]["first"] < 40
     for r in results:
         assert r["in_trial"] and r["resumed_in_trial"], r
         assert r["winner"][0] == r["winner"][1] and r["winner"][0] != "optimal", r["winner"]
