@@ -302,10 +302,8 @@ def _finish(ex, keys, store, segments, gathered, k, numel, size, foreign):
 def _last_stage_group(ex):
     """The communicator of stage 3: a group's own when stages run as their collectives
     complete (``ex.poll_stages``, module docstring), else the intra-node group."""
-    groups = ex.subgroups
-    if ex.poll_stages and groups.intra_gather is not None:
-        return groups.intra_gather
-    return groups.intra
+    # (poll_stages is only set where the subgroups have intra_gather)
+    return ex.subgroups.intra_gather if ex.poll_stages else ex.subgroups.intra
 
 
 def _time_inter(ex, work, record, issued):

@@ -165,7 +165,27 @@ class GroupBuffers(_DoubleBuffer):
         return tensor.untyped_storage().data_ptr() == self.spare.untyped_storage().data_ptr()
 
 
-class ShardStore(_DoubleBuffer):
+class _ShardWorkBuffers:
+    """The two ``padded``-element fp32 working buffers of a two-level group, made on
+    first need and kept between steps (the subclass has ``padded``, ``device`` and the
+    slots ``_staging`` and ``_receive``)."""
+
+    __slots__ = ()
+
+    def staging_buffer(self):
+        """The local gradient, zero-padded to ``ranks_per_node * size`` (stage 1's input)."""
+        if self._staging is None:
+            self._staging = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        return self._staging
+
+    def receive_buffer(self):
+        """The L copies of this rank's shard (communicator.start_shard_sum on the CPU)."""
+        if self._receive is None:
+            self._receive = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+        return self._receive
+
+
+class ShardStore(_ShardWorkBuffers, _DoubleBuffer):
     """The residual of one two-level group's shard: elements ``[lo, lo + size)`` of the
     group's flattened range (``numel`` real elements; the shard may run past ``numel``:
     padding, always zero), plus the step's working buffers."""
@@ -187,16 +207,6 @@ class ShardStore(_DoubleBuffer):
         self._receive = None
         self.shard_sum = torch.empty(size, dtype=torch.float32, device=device)
 
-    def staging_buffer(self):
-        if self._staging is None:
-            self._staging = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
-        return self._staging
-
-    def receive_buffer(self):
-        """The L copies of this rank's shard (communicator.start_shard_sum on the CPU)."""
-        if self._receive is None:
-            self._receive = torch.empty(self.padded, dtype=torch.float32, device=self.device)
-        return self._receive
 
 
 
@@ -223,7 +233,7 @@ class ShardStore(_DoubleBuffer):
         self.shard_sum = self.shard_sum.to(device)
 
 
-class DenseShardBuffers:
+class DenseShardBuffers(_ShardWorkBuffers):
     """Working buffers of one two-level *dense* group (no residual lives here): the fp32
     reduce-scatter input, zero-padded to ``ranks_per_node * size`` (made on first need,
     it is also the all-gather's output), and the rank's shard, ``size`` fp32 elements
@@ -241,16 +251,6 @@ class DenseShardBuffers:
     def device(self):
         return self.shard.device
 
-    def staging_buffer(self):
-        if self._staging is None:
-            self._staging = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
-        return self._staging
-
-    def receive_buffer(self):
-        """The L copies of this rank's shard (communicator.start_shard_sum on the CPU)."""
-        if self._receive is None:
-            self._receive = torch.empty(self.padded, dtype=torch.float32, device=self.device)
-        return self._receive
 
 
 class ResidualMemory:

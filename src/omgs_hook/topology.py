@@ -219,24 +219,20 @@ def build_subgroups(topo, process_group=None):
             return r
         return dist.get_global_rank(process_group, r)
 
+    # the last stage's own groups serve the CPU's non-blocking stage driver only (on CUDA
+    # stage 3 stays on the intra-node group): an NCCL-only world makes none (the same
+    # decision on every rank: one backend)
+    gather_groups = not gpu_only_backend(dist.get_backend(process_group))
     intra = inter = intra_gather = None
     for node in range(N):  # every rank creates every group, in this order
         ranks = [global_rank(node * L + l) for l in range(L)]
         group = dist.new_group(ranks)
+        gather = dist.new_group(ranks) if gather_groups else None
         if node == topo.node:
-            intra = group
+            intra, intra_gather = group, gather
     for local in range(L):
         ranks = [global_rank(node * L + local) for node in range(N)]
         group = dist.new_group(ranks)
         if local == topo.local_rank:
             inter = group
-    # the last stage's own groups serve the CPU's non-blocking stage driver only (on CUDA
-    # stage 3 stays on the intra-node group): an NCCL-only world makes none (the same
-    # decision on every rank: one backend)
-    if not gpu_only_backend(dist.get_backend(process_group)):
-        for node in range(N):
-            ranks = [global_rank(node * L + l) for l in range(L)]
-            group = dist.new_group(ranks)
-            if node == topo.node:
-                intra_gather = group
     return Subgroups(intra=intra, inter=inter, intra_gather=intra_gather)
