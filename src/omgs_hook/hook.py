@@ -463,6 +463,12 @@ class OMGSState:
         ranks_per_node (int): ranks per node; consecutive ranks form a node. Default
             None: torchrun's ``LOCAL_WORLD_SIZE`` (unset: one rank per node for
             ``"auto"``; an error for ``"hierarchical"``). Must divide the world size.
+            A DDP model on a subgroup of the job (``process_group``, e.g. the
+            data-parallel groups of a model-parallel job) always exchanges flat - the
+            two-level exchange's node groups need every rank of the job -: ``"auto"``
+            resolves to flat there and ``"hierarchical"`` raises ValueError; nodes are
+            the job's (global rank ``g`` on node ``g // ranks_per_node``), for the byte
+            counts of ``stats()``.
         on_unapplied (str): what happens to a step's error feedback when its gradient is
             thrown away instead of applied - the parameters' gradients were cleared
             (``zero_grad()``, to None or to zeros) and no optimizer step changed any of
@@ -762,8 +768,10 @@ class OMGSState:
         if self.topology is not None:
             return
         topology, ranks_per_node = self._topology_options
+        group_ranks, job_size = self._group_members()
         topo = topology_mod.resolve_topology(topology, ranks_per_node, self.world_size,
-                                             dist.get_rank(self.process_group))
+                                             dist.get_rank(self.process_group),
+                                             group_ranks=group_ranks, job_world_size=job_size)
         if topo.hierarchical and self.track_staleness:
             raise ValueError("track_staleness is not available with the two-level exchange "
                              "(topology resolved to 'hierarchical'); pass topology='flat'")
@@ -777,6 +785,15 @@ class OMGSState:
         self._check_pinned_exchange()
         if self.plan is not None and self.plan.exchange is None:  # loaded before the set-up
             self.plan = dataclasses.replace(self.plan, exchange=topo.kind)
+
+    def _group_members(self):
+        """``(global ranks of the process group's members in group order, the job's world
+        size)``, or ``(None, None)`` for the default group."""
+        group = self.process_group
+        if group is None or group == dist.group.WORLD:
+            return None, None
+        return ([dist.get_global_rank(group, r) for r in range(self.world_size)],
+                dist.get_world_size())
 
     def _check_pinned_exchange(self):
         """A pinned plan's ``exchange`` must be one this registration can run."""

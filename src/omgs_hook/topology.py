@@ -8,7 +8,16 @@ rank ``r`` is local rank ``r % L`` of node ``r // L`` (torchrun numbers ranks so
 ``GROUP_RANK``).
 
 ``"auto"`` is hierarchical when there is more than one node and more than one rank per
-node, else flat. ``"hierarchical"`` asked for explicitly is also accepted with one node
+node, else flat.
+
+A DDP model may run on a *subgroup* of the job (two models side by side on one node,
+data-parallel groups of a model-parallel job). Nodes are then the job's: member
+``g`` (a global rank) is on node ``g // L`` of the job, whatever the subgroup's own
+rank numbering. The two-level exchange needs node subgroups, which
+``torch.distributed.new_group`` creates only when every rank of the job takes part, so a
+subgroup always runs flat: ``"auto"`` resolves to flat there, and ``"hierarchical"`` is
+refused with a ValueError. The flat topology still knows how many of the group's ranks
+share this rank's node, which is what the flat byte counts need. ``"hierarchical"`` asked for explicitly is also accepted with one node
 (the two-level exchange within a node: top-k of the node's summed gradient) or with one
 rank per node (the reduce-scatter and the final all-gather are then over one rank).
 
@@ -27,6 +36,7 @@ rank resolved the same topology: ranks that disagree would otherwise wait in
 
 import dataclasses
 import os
+from typing import Optional, Sequence, Tuple
 
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 
@@ -34,21 +44,30 @@ TOPOLOGIES = ("auto", "flat", "hierarchical")
 @dataclasses.dataclass(frozen=True)
 class Topology:
     kind: str  # "flat" or "hierarchical"
-    ranks_per_node: int  # L (1 when unknown, for flat)
-    nodes: int  # N = world_size / L
+    ranks_per_node: int  # L (1 when unknown, for flat); a subgroup: its ranks on this node
+    nodes: int  # N = world_size / L; a subgroup: the job's nodes its ranks are on
     rank: int
     requested: str = "auto"
+    # a subgroup of the job (flat only): (this rank's node and local rank in the job,
+    # the group's size); None: nodes of consecutive ranks, as above
+    placement: Optional[Tuple[int, int, int]] = None
 
     @property
     def world_size(self):
+        if self.placement is not None:
+            return self.placement[2]
         return self.ranks_per_node * self.nodes
 
     @property
     def local_rank(self):
+        if self.placement is not None:
+            return self.placement[1]
         return self.rank % self.ranks_per_node
 
     @property
     def node(self):
+        if self.placement is not None:
+            return self.placement[0]
         return self.rank // self.ranks_per_node
 
     @property
@@ -57,11 +76,17 @@ class Topology:
 
     def to_dict(self):
         """Plain values (for ``stats()`` and ``state_dict()``)."""
-        return {"kind": self.kind, "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
-                "node": self.node, "local_rank": self.local_rank, "requested": self.requested}
+        out = {"kind": self.kind, "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
+               "node": self.node, "local_rank": self.local_rank, "requested": self.requested}
+        if self.placement is not None:
+            out["subgroup_size"] = self.placement[2]
+        return out
 
     def describe(self):
-        return f"{self.kind} {self.nodes}x{self.ranks_per_node}"
+        text = f"{self.kind} {self.nodes}x{self.ranks_per_node}"
+        if self.placement is not None:
+            text += f" (a subgroup of {self.placement[2]} ranks)"
+        return text
 
 
 def check_topology_option(topology):
@@ -78,14 +103,20 @@ def check_ranks_per_node_option(ranks_per_node):
     return ranks_per_node
 
 
-def resolve_topology(topology, ranks_per_node, world_size, rank, env=None):
+def resolve_topology(topology, ranks_per_node, world_size, rank, env=None,
+                     group_ranks: Optional[Sequence[int]] = None, job_world_size=None):
     """The :class:`Topology` for these options (see the module docstring).
 
     ``env`` defaults to ``os.environ`` (``LOCAL_WORLD_SIZE`` gives the default
-    ``ranks_per_node``). Raises ValueError naming ``topology`` or ``ranks_per_node``."""
+    ``ranks_per_node``). ``group_ranks``: the global rank of every member of the process
+    group, in group-rank order, and ``job_world_size`` the job's world size, when the
+    group is not the whole job (None: it is). Raises ValueError naming ``topology`` or
+    ``ranks_per_node``."""
     check_topology_option(topology)
     check_ranks_per_node_option(ranks_per_node)
     env = os.environ if env is None else env
+    subgroup = _proper_subgroup(group_ranks, job_world_size)
+    job_size = job_world_size if subgroup else world_size
     source = "ranks_per_node"
     if ranks_per_node is None:
         raw = env.get("LOCAL_WORLD_SIZE")
@@ -97,20 +128,48 @@ def resolve_topology(topology, ranks_per_node, world_size, rank, env=None):
             if ranks_per_node < 1:
                 raise ValueError(f"ranks_per_node: LOCAL_WORLD_SIZE={raw!r} is not positive")
             source = "ranks_per_node (from LOCAL_WORLD_SIZE)"
+    if subgroup and topology == "hierarchical":
+        raise ValueError(
+            f"topology='hierarchical': the DDP model's process group holds {world_size} of "
+            f"the job's {job_size} ranks; the two-level exchange creates node subgroups, "
+            "which needs every rank of the job (torch.distributed.new_group), so it runs "
+            "on the default process group only. Pass topology='flat' (or 'auto', which "
+            "runs flat on a subgroup)")
     if ranks_per_node is None:
         if topology == "hierarchical":
             raise ValueError("ranks_per_node: topology='hierarchical' needs ranks_per_node "
                              "(or torchrun's LOCAL_WORLD_SIZE)")
         return Topology("flat", 1, world_size, rank, topology)
-    if ranks_per_node > world_size or world_size % ranks_per_node:
-        raise ValueError(f"{source}={ranks_per_node} does not divide the world size {world_size} "
+    if ranks_per_node > job_size or job_size % ranks_per_node:
+        what = "the job's world size" if subgroup else "the world size"
+        raise ValueError(f"{source}={ranks_per_node} does not divide {what} {job_size} "
                          "(every node must have the same number of ranks)")
+    if subgroup:
+        return _subgroup_topology(ranks_per_node, group_ranks, rank, topology)
     nodes = world_size // ranks_per_node
     if topology == "auto":
         kind = "hierarchical" if nodes > 1 and ranks_per_node > 1 else "flat"
     else:
         kind = topology
     return Topology(kind, ranks_per_node, nodes, rank, topology)
+
+
+def _proper_subgroup(group_ranks, job_world_size):
+    """Whether ``group_ranks`` (global ranks in group order) is less than the whole job."""
+    if group_ranks is None:
+        return False
+    if job_world_size is None:
+        raise ValueError("job_world_size is needed with group_ranks")
+    return list(group_ranks) != list(range(job_world_size))
+
+
+def _subgroup_topology(per_node, group_ranks, rank, requested):
+    """The flat :class:`Topology` of member ``rank`` of a subgroup of the job, whose nodes
+    hold ``per_node`` consecutive global ranks each."""
+    nodes = [g // per_node for g in group_ranks]
+    mine = group_ranks[rank]
+    return Topology("flat", nodes.count(nodes[rank]), len(set(nodes)), rank, requested,
+                    placement=(mine // per_node, mine % per_node, len(group_ranks)))
 
 
 @dataclasses.dataclass
