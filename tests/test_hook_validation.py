@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -336,3 +337,46 @@ def test_background_planning_job_decides_trial_keep_or_model():
     assert [c.name for c in out["candidates"]] == ["optimal", "kept:single"]
     out = _compute_plan(dict(changed, retrial_ok=False), "optimal", "measured")
     assert out["candidates"] is None and out["plan"] is None  # over budget: keep
+
+
+def rank_zero_checkpoint_worker(rank, world_size, path):
+    """The usual pattern for model weights - rank 0 writes the checkpoint, every rank
+    loads it - applied to the hook's state, whose residuals are per rank."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    ddp = DDP(model)
+    state = omgs_hook.register(ddp, density=0.1, warmup_steps=0, strategy="single",
+                               select="model", allow_dense=False, log_every=0)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        ddp(torch.randn(4, 16, generator=generator)).square().mean().backward()
+        model.zero_grad()
+    if rank == 0:
+        torch.save(state.state_dict(), path)
+    dist.barrier()
+    saved = torch.load(path, weights_only=True)
+    outcomes = {"saved_norm": sum(float(t.norm()) for t in saved["residuals"].values())}
+    try:
+        OMGSState(module=model).load_state_dict(saved)
+        outcomes["error"] = None
+    except ValueError as exc:
+        outcomes["error"] = str(exc)
+    reset = OMGSState(module=model, on_world_size_change="reset")
+    reset.load_state_dict(saved)
+    outcomes["reset_residuals"] = len(reset.memory)
+    state.close()
+    return outcomes
+
+
+@pytest.mark.timeout(90)
+def test_a_checkpoint_written_by_rank_zero_alone_is_refused_on_the_other_ranks(tmp_path):
+    """Loaded on every rank, rank 0's residuals would count world_size times and the
+    other ranks' error feedback would be lost, silently."""
+    results = run_ranks("test_hook_validation", "rank_zero_checkpoint_worker", world_size=2,
+                        path=str(tmp_path / "hook.pt"))
+    assert results[0]["saved_norm"] > 0  # there was error feedback to lose
+    assert results[0]["error"] is None and results[0]["reset_residuals"] > 0  # its own state
+    error = results[1]["error"]
+    assert error is not None and error.startswith("rank: state saved by rank 0, loaded on rank 1")
+    assert "on_world_size_change='reset'" in error
+    assert results[1]["reset_residuals"] == 0  # reset drops rank 0's residuals on rank 1

@@ -431,8 +431,10 @@ class OMGSState:
             in ``state_dict()`` and times the forward pass. :func:`register` passes it.
         measure_window (int): steps of backward timings the planner's medians use.
         on_world_size_change (str): when ``load_state_dict`` gets a state saved with
-            another world size: ``"error"`` (default) or ``"reset"`` (drop the residuals,
-            logging their norm - they were error feedback of another rank split).
+            another world size, topology or by another rank (a checkpoint written by
+            rank 0 alone and loaded everywhere): ``"error"`` (default) or ``"reset"``
+            (drop the residuals, logging their norm - they were another rank's, or
+            another split's, error feedback).
         local_clip_norm (float): DGC's local gradient clipping (off by default). Each
             rank scales its own gradient *before* it is added to the residual, so that
             the gradient of a group of D elements (out of all N elements) has an L2 norm
@@ -2134,7 +2136,8 @@ class OMGSState:
 
         Validates everything first and raises ValueError naming the problem: unknown
         format, residuals for parameters the module does not have or of the wrong shape,
-        a different world size (see ``on_world_size_change``).
+        a different world size or topology, or a state saved by another rank (see
+        ``on_world_size_change``).
         """
         if not isinstance(sd, dict) or sd.get("format_version") != STATE_FORMAT_VERSION:
             raise ValueError(
@@ -2151,6 +2154,20 @@ class OMGSState:
                     "cannot be re-split; pass on_world_size_change='reset' to drop them"
                 )
             drop_residuals = True
+        saved_rank = sd.get("rank")
+        if not drop_residuals and saved_rank is not None and dist.is_initialized():
+            own_rank = dist.get_rank(self.process_group)
+            if saved_rank != own_rank:
+                # typically a checkpoint written by rank 0 alone and loaded by every rank:
+                # rank 0's residual would be counted world_size times, the others' lost
+                if self.on_world_size_change == "error":
+                    raise ValueError(
+                        f"rank: state saved by rank {saved_rank}, loaded on rank {own_rank}: "
+                        "residuals are each rank's own error feedback, so every rank must "
+                        "save its own state_dict() and load that one (e.g. "
+                        "f'omgs_state.rank{rank}.pt'); pass on_world_size_change='reset' "
+                        "to drop them instead")
+                drop_residuals = True
         if not drop_residuals and dist.is_initialized():
             self._setup_topology()
             saved_topo, own_topo = sd.get("topology"), self._saved_topology()
@@ -2168,9 +2185,10 @@ class OMGSState:
         else:
             norm = sum(float(t.double().pow(2).sum()) for t in residuals.values()) ** 0.5
             logger.warning(
-                "omgs_hook: world size or topology changed (%s, %s -> %s, %s): dropping "
-                "residuals (L2 norm %.4g)", saved_world, sd.get("topology") or "flat",
-                self.world_size, self._saved_topology() or "flat", norm,
+                "omgs_hook: world size, topology or rank changed (%s, %s, rank %s -> %s, "
+                "%s, rank %s): dropping residuals (L2 norm %.4g)", saved_world,
+                sd.get("topology") or "flat", saved_rank, self.world_size,
+                self._saved_topology() or "flat", dist.get_rank(self.process_group), norm,
             )
             self.memory.load_state_dict({})
         # a plan saved before plans carried their exchange ran on the registration's
