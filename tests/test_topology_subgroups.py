@@ -102,6 +102,16 @@ def subgroup_worker(rank, world_size, local_world_size, groups, topology="auto")
             "intra": last["intra_node_bytes"]}
 
 
+def _train_groups(local_world_size, groups):
+    """Run subgroup_worker on every rank; check that it trained and that each group's
+    ranks agree; return the per-rank results."""
+    results = run_ranks("test_topology_subgroups", "subgroup_worker", world_size=WORLD,
+                        timeout=150, local_world_size=local_world_size, groups=groups)
+    assert all("error" not in r for r in results), [r.get("error") for r in results]
+    _same_within_groups(results, groups)
+    return results
+
+
 def _same_within_groups(results, groups):
     for members in groups:
         first = results[members[0]]["params"]
@@ -116,12 +126,7 @@ def _same_within_groups(results, groups):
 def test_two_models_side_by_side_on_one_node_train_with_the_default_options():
     """torchrun --nproc_per_node=4 with a DDP model per pair of ranks: this registration
     used to fail ("LOCAL_WORLD_SIZE=4 does not divide the world size 2")."""
-    groups = [[0, 1], [2, 3]]
-    results = run_ranks("test_topology_subgroups", "subgroup_worker", world_size=WORLD,
-                        timeout=150, local_world_size=4, groups=groups)
-    assert all("error" not in r for r in results), [r.get("error") for r in results]
-    _same_within_groups(results, groups)
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(_train_groups(local_world_size=4, groups=[[0, 1], [2, 3]])):
         assert r["sparse"]
         assert r["topology"]["kind"] == "flat"
         assert (r["topology"]["nodes"], r["topology"]["local_rank"]) == (1, rank)
@@ -132,12 +137,7 @@ def test_data_parallel_groups_across_nodes_count_inter_node_bytes_by_the_jobs_no
     """2 nodes x 2 ranks, DDP over ranks {0, 2} and {1, 3} (one rank per node in each):
     every byte goes to the other node. Numbering nodes by subgroup rank counted both
     ranks of a group as one node and reported no inter-node bytes at all."""
-    groups = [[0, 2], [1, 3]]
-    results = run_ranks("test_topology_subgroups", "subgroup_worker", world_size=WORLD,
-                        timeout=150, local_world_size=2, groups=groups)
-    assert all("error" not in r for r in results), [r.get("error") for r in results]
-    _same_within_groups(results, groups)
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(_train_groups(local_world_size=2, groups=[[0, 2], [1, 3]])):
         assert r["topology"]["kind"] == "flat"
         assert (r["topology"]["nodes"], r["topology"]["node"]) == (2, rank // 2)
         assert r["inter"] == r["bytes"] > 0 and r["intra"] == 0
