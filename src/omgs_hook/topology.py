@@ -8,7 +8,9 @@ rank ``r`` is local rank ``r % L`` of node ``r // L`` (torchrun numbers ranks so
 ``GROUP_RANK``).
 
 ``"auto"`` is hierarchical when there is more than one node and more than one rank per
-node, else flat.
+node, else flat. ``"hierarchical"`` asked for explicitly is also accepted with one node
+(the two-level exchange within a node: top-k of the node's summed gradient) or with one
+rank per node (the reduce-scatter and the final all-gather are then over one rank).
 
 A DDP model may run on a *subgroup* of the job (two models side by side on one node,
 data-parallel groups of a model-parallel job). Nodes are then the job's: member
@@ -17,9 +19,7 @@ rank numbering. The two-level exchange needs node subgroups, which
 ``torch.distributed.new_group`` creates only when every rank of the job takes part, so a
 subgroup always runs flat: ``"auto"`` resolves to flat there, and ``"hierarchical"`` is
 refused with a ValueError. The flat topology still knows how many of the group's ranks
-share this rank's node, which is what the flat byte counts need. ``"hierarchical"`` asked for explicitly is also accepted with one node
-(the two-level exchange within a node: top-k of the node's summed gradient) or with one
-rank per node (the reduce-scatter and the final all-gather are then over one rank).
+share this rank's node, which is what the flat byte counts need.
 
 ``build_subgroups`` creates the three families of process groups the two-level exchange
 uses - one *intra-node* group per node (its L ranks), one *inter-node* group per local
