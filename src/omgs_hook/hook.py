@@ -2131,6 +2131,35 @@ class OMGSState:
             "model_check": self._model_check,
         }
 
+    def _residual_mismatch(self, sd):
+        """Why the residuals of state dict ``sd`` are not this rank's to load - another world
+        size, another rank, another topology: a message naming the problem - or None.
+        (Resolves the topology when the others match: it is compared too.)"""
+        if not dist.is_initialized():
+            return None
+        saved_world = sd.get("world_size")
+        if saved_world is not None and saved_world != self.world_size:
+            return (f"state saved with world_size={saved_world}, this run has "
+                    f"world_size={self.world_size}: residuals are per-rank error feedback and "
+                    "cannot be re-split; pass on_world_size_change='reset' to drop them")
+        saved_rank, own_rank = sd.get("rank"), dist.get_rank(self.process_group)
+        if saved_rank is not None and saved_rank != own_rank:
+            # typically a checkpoint written by rank 0 alone and loaded by every rank:
+            # rank 0's residual would be counted world_size times, the others' lost
+            return (f"rank: state saved by rank {saved_rank}, loaded on rank {own_rank}: "
+                    "residuals are each rank's own error feedback, so every rank must "
+                    "save its own state_dict() and load that one (e.g. "
+                    "f'omgs_state.rank{rank}.pt'); pass on_world_size_change='reset' "
+                    "to drop them instead")
+        self._setup_topology()
+        saved_topo, own_topo = sd.get("topology"), self._saved_topology()
+        if saved_topo != own_topo:
+            return (f"topology: state saved with topology {saved_topo or 'flat'}, this "
+                    f"run has {own_topo or 'flat'}: residuals are per-rank (per-shard "
+                    "with the two-level exchange) error feedback and cannot be "
+                    "re-split; pass on_world_size_change='reset' to drop them")
+        return None
+
     def load_state_dict(self, sd):
         """Restore a ``state_dict()`` (before the first step of the new run).
 
@@ -2144,50 +2173,18 @@ class OMGSState:
                 f"not an OMGSState state dict of format_version {STATE_FORMAT_VERSION}"
             )
         residuals = sd.get("residuals", {})
-        drop_residuals = False
-        saved_world = sd.get("world_size")
-        if saved_world is not None and dist.is_initialized() and saved_world != self.world_size:
-            if self.on_world_size_change == "error":
-                raise ValueError(
-                    f"state saved with world_size={saved_world}, this run has "
-                    f"world_size={self.world_size}: residuals are per-rank error feedback and "
-                    "cannot be re-split; pass on_world_size_change='reset' to drop them"
-                )
-            drop_residuals = True
-        saved_rank = sd.get("rank")
-        if not drop_residuals and saved_rank is not None and dist.is_initialized():
-            own_rank = dist.get_rank(self.process_group)
-            if saved_rank != own_rank:
-                # typically a checkpoint written by rank 0 alone and loaded by every rank:
-                # rank 0's residual would be counted world_size times, the others' lost
-                if self.on_world_size_change == "error":
-                    raise ValueError(
-                        f"rank: state saved by rank {saved_rank}, loaded on rank {own_rank}: "
-                        "residuals are each rank's own error feedback, so every rank must "
-                        "save its own state_dict() and load that one (e.g. "
-                        "f'omgs_state.rank{rank}.pt'); pass on_world_size_change='reset' "
-                        "to drop them instead")
-                drop_residuals = True
-        if not drop_residuals and dist.is_initialized():
-            self._setup_topology()
-            saved_topo, own_topo = sd.get("topology"), self._saved_topology()
-            if saved_topo != own_topo:
-                if self.on_world_size_change == "error":
-                    raise ValueError(
-                        f"topology: state saved with topology {saved_topo or 'flat'}, this "
-                        f"run has {own_topo or 'flat'}: residuals are per-rank (per-shard "
-                        "with the two-level exchange) error feedback and cannot be "
-                        "re-split; pass on_world_size_change='reset' to drop them"
-                    )
-                drop_residuals = True
+        mismatch = self._residual_mismatch(sd)
+        if mismatch is not None and self.on_world_size_change == "error":
+            raise ValueError(mismatch)
+        drop_residuals = mismatch is not None
         if not drop_residuals:
             self.memory.load_state_dict(residuals, self._shapes if self.module is not None else None)
         else:
             norm = sum(float(t.double().pow(2).sum()) for t in residuals.values()) ** 0.5
             logger.warning(
                 "omgs_hook: world size, topology or rank changed (%s, %s, rank %s -> %s, "
-                "%s, rank %s): dropping residuals (L2 norm %.4g)", saved_world,
-                sd.get("topology") or "flat", saved_rank, self.world_size,
+                "%s, rank %s): dropping residuals (L2 norm %.4g)", sd.get("world_size"),
+                sd.get("topology") or "flat", sd.get("rank"), self.world_size,
                 self._saved_topology() or "flat", dist.get_rank(self.process_group), norm,
             )
             self.memory.load_state_dict({})
