@@ -59,26 +59,39 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def _one_step(memory, selector, bucket, keys):
+def _one_step(memory, selector, buckets, bucket_keys):
+    """One step of one sparse group made of ``buckets`` (in ready order)."""
     exchange = StepExchange(memory, selector, None, 1, DENSITY)
-    future = exchange.add_bucket(bucket, keys, bucket.params)
-    exchange.send_group(keys, dense=False)
+    futures = [exchange.add_bucket(bucket, keys, bucket.params)
+               for bucket, keys in zip(buckets, bucket_keys)]
+    exchange.send_group([key for keys in bucket_keys for key in keys], dense=False)
     exchange.finish_issuing()
-    future.wait()
+    for future in futures:
+        future.wait()
     if exchange.error is not None:
         raise exchange.error
 
 
-@pytest.mark.parametrize("numel", [1_000_000, 12_000_000])
-def test_sparse_group_host_work(benchmark, one_rank_group, numel):
+@pytest.mark.parametrize("numel, num_buckets", [(1_000_000, 1), (12_000_000, 1),
+                                                (12_000_000, 40)])
+def test_sparse_group_host_work(benchmark, one_rank_group, numel, num_buckets):
+    """One bucket of four parameters, or - what an OMGS group of merged buckets looks
+    like - ``num_buckets`` buckets of one parameter each in one group (per-run work)."""
     torch.set_num_threads(1)
-    sizes = [numel // 4] * 3 + [numel - 3 * (numel // 4)]  # four parameters, one bucket
-    bucket = FakeBucket(sizes)
-    keys = [f"p{i}" for i in range(len(sizes))]
+    if num_buckets == 1:
+        sizes = [[numel // 4] * 3 + [numel - 3 * (numel // 4)]]  # four parameters, one bucket
+    else:
+        sizes = [[numel // num_buckets] for _ in range(num_buckets)]
+    buckets = [FakeBucket(bucket_sizes) for bucket_sizes in sizes]
+    keys, i = [], 0
+    for bucket_sizes in sizes:
+        keys.append([f"p{i + j}" for j in range(len(bucket_sizes))])
+        i += len(bucket_sizes)
+    numel = sum(map(sum, sizes))
     memory, selector = ResidualMemory(), get_selector("sampled", torch.device("cpu"))
     src, dst = torch.randn(numel), torch.empty(numel)
     for _ in range(3):
-        _one_step(memory, selector, bucket, keys)
+        _one_step(memory, selector, buckets, keys)
         dst.copy_(src)
     copies = []
 
@@ -87,7 +100,7 @@ def test_sparse_group_host_work(benchmark, one_rank_group, numel):
         dst.copy_(src)
         copies.append(time.perf_counter() - t0)
 
-    benchmark.pedantic(_one_step, args=(memory, selector, bucket, keys), setup=setup,
+    benchmark.pedantic(_one_step, args=(memory, selector, buckets, keys), setup=setup,
                        rounds=15, iterations=1)
     copy_s = statistics.median(copies)
     benchmark.extra_info["copy_s"] = copy_s

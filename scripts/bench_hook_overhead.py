@@ -20,6 +20,12 @@ Usage::
 
     python scripts/bench_hook_overhead.py                       # 1M, 12M, 50M elements
     python scripts/bench_hook_overhead.py --sizes 1e6 --rounds 3 --json out.json
+    python scripts/bench_hook_overhead.py --sizes 12e6 --buckets 40  # one group of 40 buckets
+
+``--buckets B`` splits the gradient over B equal ``Linear`` layers, one DDP bucket each,
+which ``strategy="single"`` merges into ONE group of B runs - what an OMGS group of
+merged buckets looks like; the per-run parts of the hook (reading the sample, the
+write-back) show up there and not with one bucket.
 
 On a machine with CUDA, ``--device cuda`` runs both ranks on GPU 0 (gloo with CUDA
 tensors) and synchronises around each step.
@@ -82,13 +88,31 @@ def _hook_options():
             "warmup_steps": 2, "log_every": 0}
 
 
-def _build(numel, device, hook):
+class _Parallel(torch.nn.Module):
+    """B bias-free ``Linear`` layers of the same shape on the same input, outputs summed:
+    B gradients of equal size, one DDP bucket each (``bucket_cap_mb`` = one layer)."""
+
+    def __init__(self, in_features, out_features, count):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(in_features, out_features, bias=False) for _ in range(count))
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.layers)
+
+
+def _build(numel, device, hook, buckets=1):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    out_features, in_features = _shape(numel)
-    model = torch.nn.Linear(in_features, out_features, bias=False).to(device)
-    ddp = DDP(model, bucket_cap_mb=10_000, broadcast_buffers=False,
+    out_features, in_features = _shape(numel / buckets)
+    if buckets == 1:
+        model = torch.nn.Linear(in_features, out_features, bias=False).to(device)
+        cap_mb = 10_000
+    else:
+        model = _Parallel(in_features, out_features, buckets).to(device)
+        cap_mb = in_features * out_features * 4 / 2**20
+    ddp = DDP(model, bucket_cap_mb=cap_mb, broadcast_buffers=False,
               device_ids=[device.index] if device.type == "cuda" else None)
     state = None
     if hook == "noop":
@@ -97,6 +121,16 @@ def _build(numel, device, hook):
         state = omgs_hook.register(ddp, **_hook_options())
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
     return ddp, optimizer, state, in_features
+
+
+def _bucket_count(ddp):
+    """How many buckets DDP made (its logging data), or None where it does not say."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        key = "rebuilt_bucket_sizes" if data.get("has_rebuilt_buckets") else "bucket_sizes"
+        return len(str(data[key]).split(","))
+    except Exception:  # noqa: BLE001 - private API; the count is only reported
+        return None
 
 
 def _step(ddp, optimizer, x, device):
@@ -109,7 +143,7 @@ def _step(ddp, optimizer, x, device):
     return time.perf_counter() - t0
 
 
-def worker(rank, world_size, port, sizes, rounds, steps, device_name, out_path):
+def worker(rank, world_size, port, sizes, rounds, steps, device_name, out_path, buckets=1):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -122,7 +156,7 @@ def worker(rank, world_size, port, sizes, rounds, steps, device_name, out_path):
     results = []
     try:
         for numel in sizes:
-            variants = {name: _build(numel, device, name) for name in ("noop", "omgs")}
+            variants = {name: _build(numel, device, name, buckets) for name in ("noop", "omgs")}
             x = torch.randn(BATCH, variants["noop"][3], device=device)
             for name, (ddp, opt, _, _) in variants.items():  # DDP rebuild, dense warm-up, plan
                 for _ in range(12):
@@ -148,6 +182,7 @@ def worker(rank, world_size, port, sizes, rounds, steps, device_name, out_path):
                 "overhead_copies": (omgs - noop) / copy,
                 "hook_s": last.get("hook_s"), "topk_s": last.get("topk_s"),
                 "groups": last.get("groups"), "dense_groups": last.get("dense_groups"),
+                "buckets": _bucket_count(variants["omgs"][0]),
                 "noop_steps_s": times["noop"], "omgs_steps_s": times["omgs"],
             })
             for ddp, _, st, _ in variants.values():
@@ -175,21 +210,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def measure(sizes, rounds=5, steps=4, device="cpu", world_size=2):
+def measure(sizes, rounds=5, steps=4, device="cpu", world_size=2, buckets=1):
     """Run the 2-rank measurement; return one result dict per size."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        mp.start_processes(worker, args=(world_size, _free_port(), sizes, rounds, steps, device, out),
+        mp.start_processes(worker, args=(world_size, _free_port(), sizes, rounds, steps, device, out, buckets),
                            nprocs=world_size, join=True, start_method="spawn")
         with open(out) as f:
             return json.load(f)
 
 
 def format_table(results):
-    lines = ["| elements | one copy_ (ms) | no-op hook step (ms) | OMGS step (ms) | "
-             "hook overhead (copies) |", "|---|---|---|---|---|"]
+    lines = ["| elements | buckets | one copy_ (ms) | no-op hook step (ms) | OMGS step (ms) | "
+             "hook overhead (copies) |", "|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['numel'] / 1e6:.1f}M | {r['copy_s'] * 1e3:.2f} | "
+        lines.append(f"| {r['numel'] / 1e6:.1f}M | {r.get('buckets') or '?'} | "
+                     f"{r['copy_s'] * 1e3:.2f} | "
                      f"{r['noop_step_s'] * 1e3:.1f} | {r['omgs_step_s'] * 1e3:.1f} | "
                      f"{r['overhead_copies']:.2f} |")
     return "\n".join(lines)
@@ -203,17 +239,23 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--buckets", type=int, default=1,
+                        help="split the gradient over this many DDP buckets, merged into one "
+                             "group (default 1)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.buckets < 1:
+        parser.error(f"--buckets: must be >= 1, got {args.buckets}")
     sizes = args.sizes if isinstance(args.sizes, list) else [
         int(float(s)) for s in args.sizes.split(",") if s.strip()]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
-    results = measure(sizes, args.rounds, args.steps, args.device)
+    results = measure(sizes, args.rounds, args.steps, args.device, buckets=args.buckets)
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "load": os.getloadavg(), "results": results}, f,
+            json.dump({"device": args.device, "buckets": args.buckets, "load": os.getloadavg(),
+                       "results": results}, f,
                       indent=1)
     return results
 

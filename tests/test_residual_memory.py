@@ -2,6 +2,7 @@
 and the scatter of averaged sparse entries straight into bucket buffers."""
 
 import math
+import pytest
 import torch
 
 from omgs_hook.group_exchange import _offset_in, _scatter_average
@@ -214,11 +215,48 @@ def test_scatter_average_one_run_and_several_runs_match_reference():
     # three runs in two bucket buffers, in group order
     buf0, buf1 = torch.full((30,), 9.0), torch.full((40,), 9.0)
     runs = [(0, 20, buf0[5:25]), (20, 10, buf1[0:10]), (30, 20, buf1[15:35])]
-    _scatter_average(runs, indices, values, 1 / world, numel)
+    _scatter_average(runs, indices, values, 1 / world, numel, rows=world)
     got = torch.cat([buf0[5:25], buf1[0:10], buf1[15:35]])
     assert torch.allclose(got.double(), expected, atol=1e-6)
     assert torch.equal(buf0[:5], torch.full((5,), 9.0))  # outside the runs: untouched
     assert torch.equal(buf1[10:15], torch.full((5,), 9.0))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_scatter_average_in_run_order_equals_the_masked_path_bit_for_bit(seed):
+    """Several runs and payloads: the run-ordered write-back (O(k)) gives exactly what
+    masking every entry for every run gives - each element receives its entries in
+    payload order either way - including clamped duplicate indices (the two-level
+    exchange's padding), empty runs and zero-length stretches."""
+    gen = torch.Generator().manual_seed(seed)
+    world = 1 + seed
+    numel = 4000 + 37 * seed
+    edges = [0] + sorted(set(torch.randint(1, numel, (3 + 2 * seed,), generator=gen).tolist())) + [numel]
+    k = [1, 50, 400, 4000, 999, 3][seed]
+    indices = torch.cat([torch.randperm(numel, generator=gen)[:k].sort().values for _ in range(world)])
+    if seed % 2:
+        indices = indices.clamp(max=numel - 3)
+    values = torch.randn(indices.numel(), generator=gen)
+    results = []
+    for rows in (world, 0):  # rows=0: not known ascending, the masked path
+        buffer = torch.full((numel + 10,), 9.0)
+        runs = [(a, b - a, buffer[a + 5:b + 5]) for a, b in zip(edges, edges[1:])]
+        _scatter_average(runs, indices, values, 1 / world, numel, rows=rows)
+        results.append(buffer)
+    assert torch.equal(results[0].view(torch.int32), results[1].view(torch.int32))
+    expected = _reference_average(indices, values, 1 / world, numel)
+    assert torch.allclose(results[0][5:numel + 5].double(), expected, atol=1e-6)
+    assert torch.equal(results[0][:5], torch.full((5,), 9.0))
+
+
+def test_scatter_average_payloads_out_of_order_take_the_masked_path():
+    numel, world = 40, 2
+    indices = torch.tensor([5, 1, 30, 2, 3, 39])  # payload 0 is not ascending
+    values = torch.arange(1.0, 7.0)
+    buffer = torch.full((numel,), 9.0)
+    runs = [(0, 20, buffer[:20]), (20, 20, buffer[20:])]
+    _scatter_average(runs, indices, values, 0.5, numel, rows=world)
+    assert torch.allclose(buffer.double(), _reference_average(indices, values, 0.5, numel))
 
 
 def test_scatter_average_low_precision_sums_in_fp32():

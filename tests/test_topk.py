@@ -602,3 +602,38 @@ def test_accumulate_select_takes_the_fused_pass_on_the_cpu():
     selector.accumulate_select(runs, torch.randn(numel), out, 400)
     stats = selector.stats()
     assert stats["calls"] == stats["sampled_calls"] == 1 and stats["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("numel, k", [(100_003, 50), (1_000_000, 1000), (40_000, 4000)])
+def test_sorted_sample_is_the_same_set_as_the_rotated_sample(numel, k):
+    """The fused pass reads its sample in ascending order; the set (and so the thresholds)
+    must be the one the unfused path reads, call after call (the rotation moves)."""
+    selector = SampledTopkSelector()
+    for calls in range(4):
+        selector._count(calls=calls)
+        ascending = selector._sorted_sample_at(numel, k)
+        rotated = selector._sample_at(numel, k, torch.device("cpu"))
+        assert torch.equal(ascending, rotated.sort().values)
+        assert bool((ascending[1:] >= ascending[:-1]).all())
+        assert 0 <= int(ascending.min()) and int(ascending.max()) < numel
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [7, 8, 9], list(range(1000, 60_000, 1500)), [59_999]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_at_reads_every_run_of_a_multi_bucket_group(cuts, dtype):
+    """``_sum_at`` over runs (one per bucket) gives exactly (gradient + residual) at the
+    positions, for any split, including empty stretches of the sample."""
+    from omgs_hook.topk import _sum_at
+
+    numel = 60_000
+    gen = torch.Generator().manual_seed(len(cuts))
+    grad = torch.randn(numel, generator=gen)
+    residual = torch.randn(numel, generator=gen)
+    runs = _runs_of(grad, cuts, dtype)
+    gradient = torch.cat([g.float() for _, _, g in runs])
+    whole = gradient + residual
+    selector = SampledTopkSelector()
+    for k in (10, 600):
+        positions = selector._sorted_sample_at(numel, k)
+        assert torch.equal(_sum_at(runs, residual, positions), whole[positions])
+        assert torch.equal(_sum_at(runs, None, positions), gradient[positions])

@@ -575,7 +575,7 @@ class StepExchange:
                 grad.fill_(float("nan"))
         else:
             _scatter_average(segments, indices.reshape(-1), values.reshape(-1),
-                             1.0 / self.world_size, numel)
+                             1.0 / self.world_size, numel, rows=self.world_size)
         self.memory.stage_group(buffers, [key for key in keys if key not in self.parked])
         if not nonfinite_any:
             self.writeback_samples.append((numel, time.perf_counter() - started))
@@ -680,20 +680,36 @@ def _offset_in(grad, buffer):
     return at if at + grad.numel() <= buffer.numel() else None
 
 
-def _scatter_average(segments, indices, values, scale, numel):
+def _scatter_average(segments, indices, values, scale, numel, rows=1):
     """Write ``scale * (sum of every rank's sparse entries)`` into the group's gradients.
 
+    ``indices``/``values``: ``rows`` payloads of equal length, one after the other (the
+    ranks in order); each payload's indices are ascending, as every selector returns them.
+
     fp32 gradients in one run: zero the run, then ``index_add_`` the pre-scaled entries
-    straight into the bucket buffer (O(k) besides the zeroing). Several runs: each run
-    takes the entries that fall into it, masked (O(k) per run, no host sync). Other
-    gradient dtypes: the sum is formed in an fp32 temporary, then cast once (summing
-    world_size contributions in fp16/bf16 would round at every add).
+    straight into the bucket buffer (O(k) besides the zeroing). Several runs (a group of
+    several buckets) on the CPU: the entries are put in run order once
+    (:func:`_run_major_order`, O(rows * k)), then each run zeroes and ``index_add_``\ s its
+    own slice - O(k) in all, where masking every entry for every run was O(k * runs)
+    (12M elements in 40 runs: 18 ms against ~1 ms). Each element still receives its
+    entries in payload order, so the sums are the same, bit for bit. Elsewhere (CUDA, or
+    payloads not ascending) each run takes the entries that fall into it, masked (no host
+    sync). Other gradient dtypes: the sum is formed in an fp32 temporary, then cast once
+    (summing world_size contributions in fp16/bf16 would round at every add).
     """
     if all(grad.dtype == torch.float32 for _, _, grad in segments):
         if len(segments) == 1:
             grad = segments[0][2]
             grad.zero_()
             grad.index_add_(0, indices, values, alpha=scale)
+            return
+        ordered = _run_major_order(segments, indices, values, rows)
+        if ordered is not None:
+            run_indices, run_values, bounds = ordered
+            for (g_off, _, grad), lo, hi in zip(segments, bounds, bounds[1:]):
+                grad.zero_()
+                if hi > lo:
+                    grad.index_add_(0, run_indices[lo:hi] - g_off, run_values[lo:hi], alpha=scale)
             return
         for g_off, n, grad in segments:
             inside = (indices >= g_off) & (indices < g_off + n)
@@ -706,3 +722,30 @@ def _scatter_average(segments, indices, values, scale, numel):
     result.index_add_(0, indices, values, alpha=scale)
     for g_off, n, grad in segments:
         grad.copy_(result[g_off:g_off + n])
+
+
+def _run_major_order(segments, indices, values, rows):
+    """The entries grouped by run (in the segments' order) and, within a run, in their
+    original order: ``(indices, values, bounds)`` with run ``i``'s entries at
+    ``bounds[i]:bounds[i + 1]``. Because each of the ``rows`` payloads is ascending, a
+    run's entries in one payload are one slice of it (found for every run and payload by
+    one ``searchsorted``), and the permutation is built from the slices without sorting.
+    None on CUDA (the bounds would need a host read) or when a payload is not ascending."""
+    total = indices.numel()
+    if indices.device.type != "cpu" or rows < 1 or total % rows:
+        return None
+    grid = indices.view(rows, total // rows)
+    if grid.shape[1] > 1 and not bool((grid[:, 1:] >= grid[:, :-1]).all()):
+        return None
+    edges = torch.tensor([edge for g_off, n, _ in segments for edge in (g_off, g_off + n)],
+                         dtype=indices.dtype)
+    cuts = torch.searchsorted(grid, edges.expand(rows, -1).contiguous())  # rows x 2R
+    lengths = (cuts[:, 1::2] - cuts[:, 0::2]).t().reshape(-1)  # run-major, then payload
+    starts = (cuts[:, 0::2] + torch.arange(rows).unsqueeze(1) * grid.shape[1]).t().reshape(-1)
+    counts = lengths.view(len(segments), rows).sum(dim=1)
+    kept = int(counts.sum())
+    shift = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths,
+                                    output_size=kept)
+    order = shift + torch.arange(kept)
+    bounds = [0] + torch.cumsum(counts, 0).tolist()
+    return indices[order], values[order], bounds

@@ -291,7 +291,8 @@ def _finish(ex, keys, store, segments, gathered, k, numel, size, foreign):
         indices = indices + (shard * size).unsqueeze(1)
         # padding entries (past the group's end) carry value 0: clamp them onto a real one
         indices = indices.clamp_(max=numel - 1).reshape(-1)
-        _scatter_average(segments, indices, values.reshape(-1), 1.0 / ex.world_size, numel)
+        _scatter_average(segments, indices, values.reshape(-1), 1.0 / ex.world_size, numel,
+                         rows=rows)
     ex.memory.stage_shard(store)
     for key in foreign:
         ex.memory.stage(key, None)  # added before the reduce-scatter: now in the shard sums

@@ -1,0 +1,32 @@
+"""scripts/bench_hook_overhead.py: the multi-bucket model and the option checks (the
+timing itself is a benchmark, not a test)."""
+
+import pytest
+import torch
+
+from script_loader import load_script
+
+bench = load_script("bench_hook_overhead")
+
+
+def test_multi_bucket_model_has_equal_layers_of_the_requested_total():
+    model = bench._Parallel(1024, 30, 40)
+    sizes = [p.numel() for p in model.parameters()]
+    assert len(sizes) == 40 and set(sizes) == {30 * 1024}
+    out = model(torch.randn(2, 1024))
+    assert out.shape == (2, 30)
+    # the sum of the layers: each layer's gradient is non-zero
+    out.square().sum().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
+
+
+def test_bad_bucket_count_is_refused_before_anything_runs():
+    with pytest.raises(SystemExit):
+        bench.main(["--buckets", "0", "--sizes", "1e5"])
+
+
+def test_table_names_the_bucket_count():
+    row = {"numel": 12e6, "buckets": 40, "copy_s": 0.01, "noop_step_s": 0.07,
+           "omgs_step_s": 0.14, "overhead_copies": 7.0}
+    table = bench.format_table([row])
+    assert "| 12.0M | 40 | 10.00 | 70.0 | 140.0 | 7.00 |" in table
