@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import omgs_hook
 from ddp_harness import run_ranks
 from omgs_hook.cost_model import LinearCost
-from omgs_hook.hook import OMGSState
+from omgs_hook.hook import MAX_CHECK_POSTPONES, OMGSState
 from omgs_hook.measurements import (BackwardMeter, CommTimeMeter, comm_scale, comm_sums)
 from test_hook_ddp import DENSITY, Net, train_steps
 
@@ -239,13 +239,16 @@ def test_a_check_whose_steps_ran_in_a_load_spell_waits_and_measures_afresh(spell
     check = first[0]
     if spell:
         assert results[0]["slowed"], "the spell never ran"
-        # the check saw the spell in the forward times, waited once, then ran on the
-        # steps after it
-        assert check["postponed"] == 1
+        # the check saw the spell in the forward times, waited, then ran on the steps
+        # after it. (The spell slows only the first attempt; a busy host can add real
+        # spells after it, each one more wait, up to the cap - so "at least once".)
+        assert 1 <= check["postponed"] <= MAX_CHECK_POSTPONES
         assert check["step"] > max(results[0]["slowed"])
     else:
         assert check["postponed"] == 0 and not results[0]["slowed"]
-    assert check["forward_load"] is None or check["forward_load"] <= 1.3
+    # (at the cap the check runs whatever the load: it gives up waiting)
+    assert (check["forward_load"] is None or check["forward_load"] <= 1.3
+            or check["postponed"] == MAX_CHECK_POSTPONES)
 
 
 def test_the_dense_correction_reaches_a_measured_inter_node_all_reduce():
