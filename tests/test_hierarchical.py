@@ -665,8 +665,8 @@ def test_shard_store_commits_migrates_and_saves_full_shaped():
     from omgs_hook.residual_memory import ResidualMemory
 
     memory = ResidualMemory()
-    memory.note_shape("w", (2, 3))
-    memory.note_shape("b", (3,))
+    memory.note_layout("w", torch.empty(2, 3))
+    memory.note_layout("b", torch.empty(3))
     keys, numels = ("w", "b"), (6, 3)
     # local rank 1 of 2: the shard is elements [5, 10) of the 9-element group (1 padding)
     store = memory.shard_store(keys, numels, 5, 5, 10, torch.device("cpu"))

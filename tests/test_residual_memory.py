@@ -90,7 +90,7 @@ def test_parked_parameter_keeps_its_residual_out_of_the_swapped_buffers():
 
 def test_state_dict_round_trip_and_total_norm():
     memory = ResidualMemory()
-    memory.note_shape("w", (2, 2))
+    memory.note_layout("w", torch.empty(2, 2))
     _step(memory, ("w",), (4,), {"w": torch.tensor([1.0, 2.0, 2.0, 4.0])})
     sd = memory.state_dict()
     assert sd["w"].shape == (2, 2)

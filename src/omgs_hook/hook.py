@@ -946,7 +946,7 @@ class OMGSState:
                 self._step_params.extend(params)
             keys = [self._key(p) for p in params]
             for key, param in zip(keys, params):
-                self.memory.note_shape(key, param.shape)
+                self.memory.note_layout(key, param)
             future = exchange.add_bucket(bucket, keys, params)
             # the two-level stages waited for here are the groups' own work (their
             # reduce-scatter is on the model's compute stream), not this bucket's backward

@@ -59,6 +59,19 @@ way, so saved residuals are always full-shaped per parameter. The flat exchange
 migrates the stores of a group's keys before it sends the group (a ``topology="auto"``
 run whose trial switches from the two-level to the flat exchange), so a flat group
 always finds its whole residual among the per-parameter ones.
+
+Element order: the parameter's memory order
+-------------------------------------------
+DDP lays a gradient into its bucket in the *parameter's* memory order: its reducer views
+a bucket slice with the parameter's own strides whenever the parameter is dense and
+non-overlapping (a ``channels_last`` convolution weight), and
+``GradBucket.gradients()`` then shows that slice with contiguous strides. Everything the
+hook does is elementwise on that flat slice, so a stored residual is in the same memory
+order. Only the edges translate: :meth:`ResidualMemory.state_dict` returns each residual
+in the parameter's logical order (shaped like it, contiguous), and
+:meth:`ResidualMemory.load_state_dict` takes that form back, so a checkpoint means the
+same thing whatever memory format the model it is loaded into has
+(:meth:`ResidualMemory.note_layout`).
 """
 
 import math
@@ -68,6 +81,35 @@ import torch
 
 # residual_source's answer for "the residual is this group's own slice of ``current``"
 CURRENT = object()
+
+
+def bucket_view_strides(param):
+    """The strides of ``param``'s slice of a DDP bucket when they are not contiguous,
+    else None. DDP's reducer views a parameter's bucket slice with the parameter's own
+    strides when the parameter is dense and non-overlapping (e.g. ``channels_last``),
+    and contiguously otherwise; the flat slice is then in that memory order."""
+    if param.is_contiguous():
+        return None
+    dims = sorted((stride, size) for size, stride in zip(param.shape, param.stride())
+                  if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:  # overlapping or with gaps: DDP falls back to contiguous
+            return None
+        expected *= size
+    return tuple(param.stride())
+
+
+def _memory_to_logical(flat, shape, strides):
+    """A flat residual in memory order -> shaped like the parameter, contiguous."""
+    return flat.as_strided(shape, strides).contiguous()
+
+
+def _logical_to_memory(tensor, shape, strides):
+    """A residual in logical order (any shape of the right numel) -> flat, memory order."""
+    flat = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    flat.as_strided(shape, strides).copy_(tensor.reshape(shape))
+    return flat
 
 
 def _concatenation(numels):
@@ -264,6 +306,13 @@ class ResidualMemory:
     def __init__(self):
         self._residuals = {}
         self._shapes = {}
+        # key -> strides of its bucket slice, for parameters not laid out contiguously
+        # (see "Element order"); a key is in _laid_out once its layout is known
+        self._strides = {}
+        self._laid_out = set()
+        # keys whose stored residual is still in logical order (loaded before the
+        # parameter's layout was known)
+        self._logical = set()
         self._staged = {}  # key -> flat tensor or None ("zero")
         self._staged_groups = []  # GroupBuffers to swap at commit, with the keys they take
         self._groups = {}  # keys tuple -> GroupBuffers
@@ -291,9 +340,24 @@ class ResidualMemory:
     def __len__(self):
         return len(self._residuals)
 
-    def note_shape(self, key, shape):
-        """Remember a parameter's shape so ``state_dict`` can return shaped tensors."""
-        self._shapes[key] = tuple(shape)
+    def note_layout(self, key, param):
+        """Remember parameter ``key``'s shape and the memory order of its bucket slice
+        (once per key; later calls cost a set lookup). A residual loaded before the
+        layout was known is put into memory order here, before any step reads it."""
+        if key in self._laid_out:
+            return
+        with self._lock:
+            self._laid_out.add(key)
+            shape = tuple(param.shape)
+            self._shapes[key] = shape
+            strides = bucket_view_strides(param)
+            if strides is not None:
+                self._strides[key] = strides
+            if key in self._logical:
+                self._logical.discard(key)
+                loaded = self._residuals.get(key)
+                if strides is not None and loaded is not None:
+                    self._residuals[key] = _logical_to_memory(loaded, shape, strides)
 
     def total_norm(self):
         """L2 norm over every stored residual (for monitoring). The per-tensor sums are
@@ -551,7 +615,10 @@ class ResidualMemory:
                 out[key][k_start:k_start + n] += store.current[s_start:s_start + n]
         for key, t in out.items():
             shape = self._shapes.get(key)
-            if shape is not None:
+            strides = self._strides.get(key)
+            if strides is not None and key not in self._logical:
+                out[key] = _memory_to_logical(t, shape, strides)
+            elif shape is not None:
                 out[key] = t.view(shape)
         return out
 
@@ -562,6 +629,13 @@ class ResidualMemory:
         anything is replaced.
         """
         check_residuals(residuals, expected_shapes)
+        for key, tensor in residuals.items():
+            shape = self._shapes.get(key) if key in self._laid_out else None
+            if shape is not None and tensor.numel() != math.prod(shape):
+                raise ValueError(
+                    f"residual for {key!r} has shape {tuple(tensor.shape)}, "
+                    f"the parameter has {shape}"
+                )
         with self._lock:
             self._undo = None
             self._residuals = {}
@@ -570,9 +644,16 @@ class ResidualMemory:
             self._shard_of = {}
             self._dense = {}
             self._clear_step_locked()
+            self._logical = set()
             for key, tensor in residuals.items():
-                self._shapes[key] = tuple(tensor.shape)
-                self._residuals[key] = tensor.detach().reshape(-1).to(torch.float32).clone()
+                shape = tuple(tensor.shape)
+                flat = tensor.detach().reshape(-1).to(torch.float32).clone()
+                if key not in self._laid_out:  # put into memory order by note_layout
+                    self._shapes[key] = shape
+                    self._logical.add(key)
+                elif key in self._strides:
+                    flat = _logical_to_memory(flat, self._shapes[key], self._strides[key])
+                self._residuals[key] = flat
 
     def move_to(self, device):
         """Move every residual to ``device`` (after loading a checkpoint saved elsewhere)."""
