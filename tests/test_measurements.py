@@ -200,3 +200,26 @@ def test_forward_load_compares_the_preferred_steps_forward_with_the_window():
     assert meter.forward_load() == pytest.approx(2.0)
     meter.prefer_from(0)
     assert meter.forward_load() is None  # nothing older to compare with
+
+
+def test_only_a_steps_first_forward_starts_it(monkeypatch):
+    """A step that calls the model twice (a siamese loss) or runs no_sync micro-batches
+    first: its forward and the iteration start at its first forward, not its last."""
+    walls = iter([0.0, 10.0, 99.0])
+    monkeypatch.setattr(measurements.time, "perf_counter", lambda: next(walls))
+    meter = BackwardMeter(window=4)
+    clock = meter.clock = FakeClock()
+    layout = (("a",),)
+    for first_wall in (0.0, 10.0):  # two steps, each with two forwards
+        clock.now = 0.0
+        meter.forward_started()      # the step's first forward: fake time 0
+        clock.now = 0.5
+        meter.forward_finished()
+        meter.forward_started()      # the second forward: ignored (no perf_counter read)
+        run_step(meter, clock, [(3.0, 3.0, 3.5)], layout, start_forward=False)
+        meter.step_finished(first_wall + 3.5)
+    # forward 0 -> 1 (both forwards), iteration 0 -> 10 (first forward to first forward)
+    assert meter.forward_s() == pytest.approx(1.0)
+    assert meter.last_iteration_s == pytest.approx(10.0)
+    assert meter.tail_s() == pytest.approx(6.5)  # 3.5 -> 10
+    assert next(walls) == 99.0  # the second forwards never read the clock

@@ -1863,8 +1863,10 @@ class OMGSState:
         candidate's predicted and measured seconds and the winner),
         ``"backward_s_per_unit"`` (median measured per bucket), ``"forward_s"``,
         ``"tail_s"`` (median seconds from a step's last write-back to the next forward),
-        ``"measured_iteration_s"`` (wall time from the start of one forward to the start
-        of the next, on the host clock; needs ``module``; what
+        ``"measured_iteration_s"`` (wall time from the start of one step's first
+        forward with autograd to the start of the next step's, on the host clock - a
+        step that calls the model twice, or runs ``no_sync`` micro-batches first, counts
+        from its first forward; needs ``module``; what
         ``"predicted_iteration_s"`` predicts), ``"step_s"`` (this rank's seconds
         between the last two arrivals of bucket 0: a whole iteration, the trial's
         measure; works without ``module``), ``"cost_correction"`` (what the last

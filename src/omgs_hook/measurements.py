@@ -82,6 +82,7 @@ class BackwardMeter:
         self._pending = None  # marks of a step not resolved yet (CUDA)
         self._fwd_start = None
         self._fwd_end = None
+        self._forward_open = False  # a forward of the coming step was seen (forward_started)
         self._arrive = []
         self._send_start = []
         self._send_end = []
@@ -108,6 +109,15 @@ class BackwardMeter:
 
     # -- marks ------------------------------------------------------------------
     def forward_started(self):
+        """A forward with autograd began. Only the first one of a step counts: a step
+        may run several (a siamese or contrastive loss calls the model twice, gradient
+        accumulation runs its ``no_sync`` micro-batches first), and the step's forward -
+        its compute before backward - and the iteration both start at the first. The
+        next step's first forward is the first one after this step's backward began
+        (bucket 0) or its exchange finished."""
+        if self._forward_open:
+            return
+        self._forward_open = True
         wall = time.perf_counter()
         if self._last_fwd_start_wall is not None:
             self.last_iteration_s = wall - self._last_fwd_start_wall
@@ -135,6 +145,7 @@ class BackwardMeter:
 
     def bucket_arrived(self, index):
         if index == 0:
+            self._forward_open = False
             self._arrive, self._send_start, self._send_end = [], [], []
         self._arrive.append(self.clock.mark())
 
@@ -148,6 +159,7 @@ class BackwardMeter:
     def step_finished(self, wall):
         """The step's last group was written back at host time ``wall`` (perf_counter)."""
         self._finish_wall = wall
+        self._forward_open = False
 
     @property
     def wall_step_start(self):
