@@ -565,3 +565,30 @@ def test_peer_failure_raises_instead_of_hanging(mode):
     assert isinstance(rank0, dict) and "outcome" in rank0, rank0
     assert rank0["outcome"] != "no error", rank0
     assert rank0["elapsed"] < 30, rank0
+
+
+def limited_index_worker(rank, world_size, limit, **kwargs):
+    """check_against_reference with the int32 index range lowered to ``limit`` elements."""
+    from omgs_hook import cost_model
+
+    cost_model.MAX_SPARSE_GROUP_NUMEL = limit
+    return check_against_reference(rank, world_size, **kwargs)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", ["single", "optimal"])
+def test_groups_beyond_the_index_range_are_cut_and_match_reference(strategy):
+    """A model larger than a sparse group can index (int32; lowered here to 1100 of the
+    1864 elements): TopK-SGD's one group and the optimal plan are cut into groups that
+    fit, which train exactly like the reference - no error mid-training."""
+    results = run_ranks("test_hook_ddp", "limited_index_worker", world_size=2, limit=1100,
+                        hook_options={"strategy": strategy, "warmup_steps": 1,
+                                      "allow_dense": False, "select": "model"},
+                        ddp_options={}, steps=5)
+    sizes = {"a.weight": 512, "a.bias": 32, "b.weight": 1024, "b.bias": 32,
+             "c.weight": 256, "c.bias": 8}
+    for r in results:
+        assert r["worst"]["grad"] < 1e-6 and r["worst"]["residual"] < 1e-6, r["worst"]
+        assert r["worst"]["conservation"] < 1e-5, r["worst"]
+        groups = r["stats"]["last"]["group_keys"]
+        assert len(groups) >= 2 and all(sum(sizes[k] for k in g) <= 1100 for g in groups), groups

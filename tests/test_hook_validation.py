@@ -380,3 +380,19 @@ def test_a_checkpoint_written_by_rank_zero_alone_is_refused_on_the_other_ranks(t
     assert error is not None and error.startswith("rank: state saved by rank 0, loaded on rank 1")
     assert "on_world_size_change='reset'" in error
     assert results[1]["reset_residuals"] == 0  # reset drops rank 0's residuals on rank 1
+
+
+def test_a_parameter_beyond_the_int32_index_range_is_refused_at_construction(monkeypatch):
+    from omgs_hook import cost_model
+
+    monkeypatch.setattr(cost_model, "MAX_SPARSE_GROUP_NUMEL", 100)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 16))  # 128 weights in '1.weight'
+    with pytest.raises(ValueError, match=r"'1\.weight' has 128 elements, more than one sparse"):
+        OMGSState(module=model)
+    OMGSState(module=model, density=1.0)  # plain all-reduce indexes nothing
+    # a pinned plan whose sparse group does not fit is refused before training, too
+    monkeypatch.setattr(cost_model, "MAX_SPARSE_GROUP_NUMEL", 150)
+    pinned = {"groups": [["1.weight", "1.bias", "0.weight", "0.bias"]], "dense": [False]}
+    with pytest.raises(ValueError, match=r"plan: the pinned plan's sparse group 0 holds 216"):
+        OMGSState(module=model, plan=pinned)
+    OMGSState(module=model, plan={**pinned, "dense": [True]})

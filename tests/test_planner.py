@@ -912,3 +912,58 @@ def test_the_tail_moves_every_prediction_but_never_the_plan():
                 a, b = make_plan(inst, strategy), make_plan(tailed, strategy)
                 assert (a.groups, a.dense) == (b.groups, b.dense)
                 assert b.predicted_iteration_s == pytest.approx(a.predicted_iteration_s + 0.125)
+
+
+# ------------------------------------------------------------- the int32 index range
+
+
+def _sparse_sizes(inst, plan):
+    return [sum(inst.layers[u].numel for u in g) for g, d in zip(plan.groups, plan.dense) if not d]
+
+
+def test_sparse_groups_never_exceed_the_int32_index_range():
+    """Five 1e9-element buckets (a 5B-parameter model): one TopK-SGD group would need
+    indices beyond int32. Every strategy cuts its sparse groups to fit, in ready order."""
+    inst = _instance([(10**9, 0.01)] * 5, density=0.001,
+                     comm=LinearCost(1e-3, 1e-9), topk=TopkCost(1e-4, 1e-10, 0.0))
+    limit = 2**31 - 1
+    for strategy in ("single", "optimal", "greedy", "layerwise", "threshold:1000000000000"):
+        plan = make_plan(inst, strategy)
+        assert [u for g in plan.groups for u in g] == [0, 1, 2, 3, 4], strategy
+        assert all(size <= limit for size in _sparse_sizes(inst, plan)), (strategy, plan.groups)
+        assert plan == evaluate(inst, plan.groups, plan.dense, strategy=strategy)
+    # TopK-SGD's one group: as few pieces as fit, each as large as fits
+    assert make_plan(inst, "single").groups == ((0, 1), (2, 3), (4,))
+    # explicitly sparse groups given to evaluate are cut the same way
+    assert evaluate(inst, [[0, 1, 2, 3, 4]], [False]).groups == ((0, 1), (2, 3), (4,))
+
+
+def test_plans_that_fit_are_unchanged_and_cuts_respect_a_lowered_limit(monkeypatch):
+    from omgs_hook import cost_model
+
+    rng = np.random.default_rng(11)
+    for trial in range(30):
+        inst = random_instance(rng, int(rng.integers(2, 30)), dense=bool(trial % 2))
+        plans = {s: make_plan(inst, s) for s in ("optimal", "greedy", "single", "layerwise")}
+        largest = max(u.numel for u in inst.layers)
+        limit = int(rng.integers(largest, 3 * largest + 1))
+        monkeypatch.setattr(cost_model, "MAX_SPARSE_GROUP_NUMEL", limit)
+        for strategy, unlimited in plans.items():
+            plan = make_plan(inst, strategy)
+            assert [u for g in plan.groups for u in g] == list(range(inst.num_units))
+            assert all(size <= limit for size in _sparse_sizes(inst, plan)), (trial, strategy)
+            if all(size <= limit for size in _sparse_sizes(inst, unlimited)):
+                assert plan == unlimited, (trial, strategy)  # nothing to cut
+            else:  # a group was cut: the plan has more groups
+                assert plan.num_groups > unlimited.num_groups
+        monkeypatch.undo()
+
+
+def test_a_unit_beyond_the_index_range_is_a_group_of_its_own(monkeypatch):
+    from omgs_hook import cost_model
+
+    monkeypatch.setattr(cost_model, "MAX_SPARSE_GROUP_NUMEL", 100)
+    units = [(50, 0.01), (40, 0.01), (150, 0.01), (30, 0.01)]
+    for dense in (None, LinearCost(1e3, 0.0)):  # (dense far too slow to be chosen)
+        plan = make_plan(_instance(units, density=0.01, dense=dense), "single")
+        assert plan.groups == ((0, 1), (2,), (3,)) and plan.dense == (False,) * 3

@@ -110,6 +110,12 @@ __all__ = [
 ]
 
 
+# The most elements one sparse group may hold: its indices travel as int32. A plan's
+# sparse groups never exceed it (planner._fit_index_range); read at use time, so that a
+# test can lower it.
+MAX_SPARSE_GROUP_NUMEL = 2**31 - 1
+
+
 class InstanceError(ValueError):
     """Invalid planner input. ``field`` names the offending entry (``"layers[2].numel"``)."""
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import communicator
+from . import communicator, cost_model
 from .cost_model import selected_k
 from .residual_memory import CURRENT
 
@@ -174,6 +174,13 @@ class StepExchange:
         keys = tuple(keys)
         self.sent.update(keys)
         numel = sum(self.arrived[key][1].numel() for key in keys)
+        if not dense and numel > cost_model.MAX_SPARSE_GROUP_NUMEL and len(keys) > 1:
+            # beyond the int32 index range (a plan made on DDP's first, coarser buckets;
+            # planned groups are cut at bucket boundaries already): cut it at parameter
+            # boundaries, each piece as large as fits (one too large alone is refused below)
+            for piece in _index_range_pieces([self.arrived[k][1].numel() for k in keys]):
+                self.send_group([keys[i] for i in piece], dense=False)
+            return
         if numel == 0:
             # zero-element parameters only: nothing to send, on any rank (the layout and
             # the plan are the same everywhere)
@@ -326,7 +333,7 @@ class StepExchange:
                     lambda: self._finish_dense(keys, acc, segments=segments), record)
 
     def _send_sparse(self, keys, numel):
-        if numel > communicator.MAX_INDEX:
+        if numel > cost_model.MAX_SPARSE_GROUP_NUMEL:
             raise ValueError(
                 f"a group of {numel} elements exceeds the int32 index range; use a plan "
                 "with smaller groups (e.g. strategy='threshold:...')"
@@ -411,7 +418,7 @@ class StepExchange:
     def _send_hierarchical(self, keys, numel):
         from . import hierarchical
 
-        if numel > communicator.MAX_INDEX:
+        if numel > cost_model.MAX_SPARSE_GROUP_NUMEL:
             raise ValueError(
                 f"a group of {numel} elements exceeds the int32 index range; use a plan "
                 "with smaller groups (e.g. strategy='threshold:...')"
@@ -666,6 +673,22 @@ def _sum_of_squares(segments):
     return torch.stack(norms).square().sum()
 
 
+def _index_range_pieces(numels):
+    """Consecutive runs of positions into ``numels``, each summing to at most
+    MAX_SPARSE_GROUP_NUMEL where it can (an element too large alone is a run of its own)."""
+    limit = cost_model.MAX_SPARSE_GROUP_NUMEL
+    pieces, piece, size = [], [], 0
+    for i, n in enumerate(numels):
+        if piece and size + n > limit:
+            pieces.append(piece)
+            piece, size = [], 0
+        piece.append(i)
+        size += n
+    if piece:
+        pieces.append(piece)
+    return pieces
+
+
 def _offset_in(grad, buffer):
     """Element offset of ``grad`` inside the flat bucket ``buffer``, or None when it is not
     a plain contiguous slice of it (then the gradient is handled on its own)."""
@@ -689,8 +712,8 @@ def _scatter_average(segments, indices, values, scale, numel, rows=1):
     fp32 gradients in one run: zero the run, then ``index_add_`` the pre-scaled entries
     straight into the bucket buffer (O(k) besides the zeroing). Several runs (a group of
     several buckets) on the CPU: the entries are put in run order once
-    (:func:`_run_major_order`, O(rows * k)), then each run zeroes and ``index_add_``\ s its
-    own slice - O(k) in all, where masking every entry for every run was O(k * runs)
+    (:func:`_run_major_order`, O(rows * k)), then each run zeroes its own slice and
+    ``index_add_``-s into it - O(k) in all, where masking every entry for every run was O(k * runs)
     (12M elements in 40 runs: 18 ms against ~1 ms). Each element still receives its
     entries in payload order, so the sums are the same, bit for bit. Elsewhere (CUDA, or
     payloads not ascending) each run takes the entries that fall into it, masked (no host

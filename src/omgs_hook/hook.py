@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from . import communicator
+from . import cost_model
 from . import plan_selection
 from . import planner as planner_mod
 from . import topk as topk_mod
@@ -313,6 +314,22 @@ def _check_plan_keys(plan, shapes):
             f"plan: the pinned plan does not match the model's parameters (not in the plan: "
             f"{missing[:5]}, not in the model: {unknown[:5]})"
         )
+    if isinstance(shapes, dict):
+        _check_sparse_group_sizes(plan, {k: math.prod(v) for k, v in shapes.items()})
+
+
+def _check_sparse_group_sizes(plan, numels):
+    """A pinned plan's sparse groups must fit int32 indices (planned ones are cut to fit:
+    planner._fit_index_range)."""
+    limit = cost_model.MAX_SPARSE_GROUP_NUMEL
+    for j, (group, dense) in enumerate(zip(plan.groups, plan.dense)):
+        size = sum(numels[k] for k in group)
+        if not dense and size > limit:
+            raise ValueError(
+                f"plan: the pinned plan's sparse group {j} holds {size} elements, more than "
+                f"one sparse group can index ({limit}: int32 indices); split it or mark it "
+                "dense"
+            )
 
 
 class OMGSState:
@@ -690,6 +707,12 @@ class OMGSState:
                 )
             self._names[id(param)] = name
             self._shapes[name] = tuple(param.shape)
+            if self.density < 1.0 and param.numel() > cost_model.MAX_SPARSE_GROUP_NUMEL:
+                raise ValueError(
+                    f"parameter {name!r} has {param.numel()} elements, more than one sparse "
+                    f"group can index ({cost_model.MAX_SPARSE_GROUP_NUMEL}: int32 indices); "
+                    "OMGS cannot sparsify it (split the tensor, or train with density=1)"
+                )
 
     def _key(self, param):
         key = self._names.get(id(param))
@@ -1135,6 +1158,7 @@ class OMGSState:
         if kind == "keys":
             plan = self._pinned[1]
             _check_plan_keys(plan, {k for bucket in layout for k in bucket})
+            _check_sparse_group_sizes(plan, {k: math.prod(v) for k, v in self._shapes.items()})
         else:
             _, units, dense, predicted, _ = self._pinned
             num_units = sum(len(g) for g in units)
@@ -1148,6 +1172,7 @@ class OMGSState:
             unit_plan = planner_mod.Plan(strategy="pinned", groups=units, dense=dense,
                                          predicted_iteration_s=predicted, non_overlapped_s=0.0)
             plan = GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=self.step)
+            _check_sparse_group_sizes(plan, {k: math.prod(v) for k, v in self._shapes.items()})
         self.plan = dataclasses.replace(plan, made_at_step=self.step,
                                         exchange=self._pinned_exchange()
                                         or self._registered_exchange())

@@ -79,6 +79,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from omgs_hook import cost_model
 from omgs_hook.cost_model import (
     Instance,
     InstanceError,
@@ -242,6 +243,7 @@ def evaluate(inst: Instance, groups, dense=None, strategy: str = "fixed") -> Pla
 
 
 def _finish(inst: Instance, strategy: str, groups, modes) -> Plan:
+    groups, modes = _fit_index_range(inst, groups, modes)
     # the reported times always come from the reference simulation, whatever the search
     # computed internally, so that evaluate(inst, plan.groups, plan.dense) == plan
     timeline = simulate(inst, groups, modes)
@@ -252,6 +254,38 @@ def _finish(inst: Instance, strategy: str, groups, modes) -> Plan:
         predicted_iteration_s=timeline.predicted_iteration_s,
         non_overlapped_s=timeline.non_overlapped_s,
     )
+
+
+def _fit_index_range(inst: Instance, groups, modes):
+    """Cut every sparse group of more than
+    :data:`~omgs_hook.cost_model.MAX_SPARSE_GROUP_NUMEL` elements (its indices travel as
+    int32) into consecutive pieces, each as large as fits, in ready order; the pieces
+    stay sparse. A unit too large on its own is a piece of its own (the hook cuts it at
+    parameter boundaries). Such sizes (2**31 elements, 8 GB of fp32 gradient in one
+    group) make one more collective's startup negligible, so the cut costs nothing the
+    model could measure; plans that fit are returned as they are."""
+    limit = cost_model.MAX_SPARSE_GROUP_NUMEL
+    numel = [u.numel for u in inst.layers]
+    if all(dense or sum(numel[u] for u in group) <= limit
+           for group, dense in zip(groups, modes)):
+        return groups, modes
+    out_groups, out_modes = [], []
+    for group, dense in zip(groups, modes):
+        if dense or sum(numel[u] for u in group) <= limit:
+            out_groups.append(tuple(group))
+            out_modes.append(bool(dense))
+            continue
+        piece, size = [], 0
+        for u in group:
+            if piece and size + numel[u] > limit:
+                out_groups.append(tuple(piece))
+                out_modes.append(False)
+                piece, size = [], 0
+            piece.append(u)
+            size += numel[u]
+        out_groups.append(tuple(piece))
+        out_modes.append(False)
+    return tuple(out_groups), tuple(out_modes)
 
 
 # ---------------------------------------------------------------------------
