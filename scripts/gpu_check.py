@@ -380,8 +380,50 @@ def check_overhead(device, quick):
     return {"ok": True, "rows": slim, "target": "<= 5 copy-equivalents per sparse group"}
 
 
+def check_writeback(device, quick):
+    """The sparse write-back on the device: the same sums, bit for bit, as the CPU path
+    when the ranks' entries collide at the same indices (CUDA's index_add_ adds with
+    atomics: one call per payload keeps it deterministic), and its time for one run
+    against many runs (kernel launches must not grow with the runs)."""
+    from omgs_hook.group_exchange import _scatter_average
+
+    world, numel = 8, (10**5 if quick else 10**7)
+    k = max(1, numel // 1000)
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randperm(numel, generator=gen)[:2 * k]  # the ranks pick from one pool
+    indices = torch.cat([pool[torch.randperm(2 * k, generator=gen)[:k]].sort().values
+                         for _ in range(world)])
+    values = torch.randn(indices.numel(), generator=gen)
+    rows = {}
+    worst_bits = 0
+    for runs in (1, 16, 256):
+        edges = torch.linspace(0, numel, runs + 1).long().tolist()
+        results = {}
+        # the CPU's own path as the reference; the per-payload path (the GPU's) on the device
+        for name, dev, per_payload in (("reference", torch.device("cpu"), False),
+                                       ("device", device, True)):
+            buffer = torch.zeros(numel, device=dev)
+            segments = [(a, b - a, buffer[a:b]) for a, b in zip(edges, edges[1:])]
+            idx, val = indices.to(dev), values.to(dev)
+
+            def call():
+                _scatter_average(segments, idx, val, 1 / world, numel, rows=world,
+                                 per_payload=per_payload)
+            call()
+            results[name] = buffer.cpu()
+            if name == "device":
+                seconds = _cuda_time(call, device, reps=3 if quick else 20)
+                rows[runs] = {"runs": runs, "ms": round(1e3 * seconds, 4)}
+        differ = int((results["reference"].view(torch.int32)
+                      != results["device"].view(torch.int32)).sum())
+        worst_bits = max(worst_bits, differ)
+    return {"ok": worst_bits == 0, "elements_differing_from_cpu": worst_bits,
+            "world": world, "numel": numel, "k": k, "timing": list(rows.values())}
+
+
 SECTIONS = {"env": check_env, "topk": check_topk, "topk_speed": check_topk_speed,
-            "hook": check_hook, "profile": check_profile, "overhead": check_overhead}
+            "hook": check_hook, "profile": check_profile, "overhead": check_overhead,
+            "writeback": check_writeback}
 
 
 # ---------------------------------------------------------------------------- report

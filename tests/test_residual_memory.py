@@ -285,3 +285,39 @@ def test_total_norm_does_not_depend_on_the_order_residuals_were_stored_in():
     first.load_state_dict({"a": big, "b": small, "c": small.clone()})
     second.load_state_dict({"b": small, "c": small.clone(), "a": big})
     assert first.total_norm() == second.total_norm() == math.sqrt(1e16 + 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_average_per_payload_equals_the_cpu_paths_bit_for_bit(seed, dtype):
+    """The GPU write-back (one index_add_ per payload, so CUDA's atomics never meet at an
+    index, then one fused copy into every run), run here on the CPU: the same sums, bit
+    for bit, as the run-ordered path - one run or many, fp32 or bf16 gradients, and the
+    two-level exchange's padding (zero values clamped onto the last element)."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    world = 2 + seed
+    numel = 3000 + 41 * seed
+    k = [1, 60, 700, 3000][seed]
+    indices = torch.cat([torch.randperm(numel, generator=gen)[:k].sort().values
+                         for _ in range(world)])
+    values = torch.randn(indices.numel(), generator=gen)
+    if seed % 2:  # padding: the last payload's tail points past the end, with value 0
+        tail = indices.numel() - min(k, 5)
+        values[tail:] = 0.0
+        indices[tail:] = numel - 1
+        indices = indices.clamp(max=numel - 1)
+    edges = [0] + sorted(set(torch.randint(1, numel, (2 + 3 * seed,), generator=gen).tolist())) + [numel]
+    for layout in ("one run", "runs"):
+        results = []
+        for per_payload in (False, True):
+            buffer = torch.full((numel + 10,), 9.0, dtype=dtype)
+            pairs = [(0, numel)] if layout == "one run" else list(zip(edges, edges[1:]))
+            runs = [(a, b - a, buffer[a + 5:b + 5]) for a, b in pairs]
+            _scatter_average(runs, indices, values, 1 / world, numel, rows=world,
+                             per_payload=per_payload)
+            results.append(buffer)
+        assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16)), layout
+        assert torch.equal(results[1][:5], torch.full((5,), 9.0, dtype=dtype))
+        expected = _reference_average(indices, values, 1 / world, numel)
+        assert torch.allclose(results[1][5:numel + 5].double(), expected.to(dtype).double(),
+                              atol=1e-6 if dtype == torch.float32 else 1e-2)

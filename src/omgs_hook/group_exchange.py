@@ -703,7 +703,7 @@ def _offset_in(grad, buffer):
     return at if at + grad.numel() <= buffer.numel() else None
 
 
-def _scatter_average(segments, indices, values, scale, numel, rows=1):
+def _scatter_average(segments, indices, values, scale, numel, rows=1, per_payload=None):
     """Write ``scale * (sum of every rank's sparse entries)`` into the group's gradients.
 
     ``indices``/``values``: ``rows`` payloads of equal length, one after the other (the
@@ -713,13 +713,21 @@ def _scatter_average(segments, indices, values, scale, numel, rows=1):
     straight into the bucket buffer (O(k) besides the zeroing). Several runs (a group of
     several buckets) on the CPU: the entries are put in run order once
     (:func:`_run_major_order`, O(rows * k)), then each run zeroes its own slice and
-    ``index_add_``-s into it - O(k) in all, where masking every entry for every run was O(k * runs)
-    (12M elements in 40 runs: 18 ms against ~1 ms). Each element still receives its
-    entries in payload order, so the sums are the same, bit for bit. Elsewhere (CUDA, or
-    payloads not ascending) each run takes the entries that fall into it, masked (no host
-    sync). Other gradient dtypes: the sum is formed in an fp32 temporary, then cast once
-    (summing world_size contributions in fp16/bf16 would round at every add).
+    ``index_add_``-s into it - O(k) in all, where masking every entry for every run was
+    O(k * runs) (12M elements in 40 runs: 18 ms against ~1 ms). Each element still
+    receives its entries in payload order, so the sums are the same, bit for bit. Payloads
+    not ascending: each run takes the entries that fall into it, masked. Other gradient
+    dtypes: the sum is formed in an fp32 temporary, then cast once (summing world_size
+    contributions in fp16/bf16 would round at every add).
+
+    On a GPU (``per_payload``, default: the tensors are not on the CPU) see
+    :func:`_scatter_average_per_payload`.
     """
+    if per_payload is None:
+        per_payload = indices.device.type != "cpu"
+    if per_payload and rows >= 1 and indices.numel() % rows == 0:
+        _scatter_average_per_payload(segments, indices, values, scale, numel, rows)
+        return
     if all(grad.dtype == torch.float32 for _, _, grad in segments):
         if len(segments) == 1:
             grad = segments[0][2]
@@ -745,6 +753,39 @@ def _scatter_average(segments, indices, values, scale, numel, rows=1):
     result.index_add_(0, indices, values, alpha=scale)
     for g_off, n, grad in segments:
         grad.copy_(result[g_off:g_off + n])
+
+
+def _scatter_average_per_payload(segments, indices, values, scale, numel, rows):
+    """The GPU write-back: one ``index_add_`` per payload into one group-sized fp32 sum
+    (or straight into a single fp32 run), then one fused copy into every run.
+
+    * Deterministic, and the same on every rank: a CUDA ``index_add_`` adds with atomics,
+      so entries of several ranks meeting at one index would be summed in whatever order
+      the atomics land - and the ranks' averaged gradients could differ in their last
+      bits. Within one payload the indices are distinct (top-k), so no two atomic adds
+      meet, and every element receives its entries in payload order: bit for bit the sum
+      of the CPU path.
+    * A fixed number of kernel launches per group, whatever its number of runs
+      (parameters, with ``bucket_cap_mb=0``): a zero fill, ``rows`` ``index_add_``, one
+      ``_foreach_copy_``.
+    """
+    per = indices.numel() // rows
+    single = len(segments) == 1 and segments[0][2].dtype == torch.float32
+    target = (segments[0][2] if single
+              else torch.empty(numel, dtype=torch.float32, device=values.device))
+    target.zero_()
+    for r in range(rows):
+        target.index_add_(0, indices[r * per:(r + 1) * per], values[r * per:(r + 1) * per],
+                          alpha=scale)
+    if single:
+        return
+    grads = [grad for _, _, grad in segments]
+    sums = [target[g_off:g_off + n] for g_off, n, _ in segments]
+    if all(grad.dtype == torch.float32 for grad in grads):
+        torch._foreach_copy_(grads, sums)
+    else:
+        for grad, part in zip(grads, sums):
+            grad.copy_(part)
 
 
 def _run_major_order(segments, indices, values, rows):
