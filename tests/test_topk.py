@@ -582,13 +582,21 @@ def test_accumulate_select_equals_sum_then_select(name, case, numel, cuts):
             target.copy_(g)
         else:
             torch.add(g, residual[offset:offset + length], out=target)
-    for k in (1, 37, numel // 100):
+    for k, clear_runs in ((1, False), (37, True), (numel // 100, False), (numel // 100, True)):
         ev, ei = TorchTopkSelector().select(expected_out, k)
         out = torch.full((numel,), 7.0)
-        values, indices = CPU_SELECTORS[name]().accumulate_select(runs, residual, out, k)
+        gradients = [g.clone() for _, _, g in runs]
+        values, indices = CPU_SELECTORS[name]().accumulate_select(runs, residual, out, k,
+                                                                  clear_runs=clear_runs)
         assert torch.equal(out.view(torch.int32), expected_out.view(torch.int32))
         assert torch.equal(indices, ei)
         assert torch.equal(values.view(torch.int32), ev.view(torch.int32))
+        # clear_runs: every gradient run is zero on return (the write-back only adds);
+        # otherwise the runs are untouched
+        for (offset, length, g), before in zip(runs, gradients):
+            want = torch.zeros_like(g) if clear_runs else before  # (bits: NaN stays NaN)
+            assert torch.equal(g.view(torch.uint8), want.view(torch.uint8))
+            g.copy_(before)
         if case == "nonfinite":  # NaN first, then -inf: both when k >= 2
             assert {numel // 2, numel - 1}.intersection(indices.tolist()) == (
                 {numel // 2} if k == 1 else {numel // 2, numel - 1})

@@ -350,16 +350,19 @@ class StepExchange:
         # values is the non-finite check (no pass over acc, no host sync). The flag
         # travels in the payload; every rank then treats the step as non-finite and the
         # staged residual (acc) is discarded, so acc may be modified regardless.
-        if residual is False:
+        cleared = residual is not False
+        if not cleared:
             with _range("assemble", group):
                 self._accumulate(keys, numel, prepared)
             selecting = time.perf_counter()
             with _range("select", group):
                 values, indices = self.selector.select(acc, k)
-        else:  # the selector adds gradient and residual in its own pass (fused on CPU)
+        else:  # the selector adds gradient and residual in its own pass (fused on CPU),
+            # and zeroes the gradient runs as it reads them: the write-back only adds
             selecting = started
             with _range("assemble_select", group):
-                values, indices = self.selector.accumulate_select(segments, residual, acc, k)
+                values, indices = self.selector.accumulate_select(segments, residual, acc, k,
+                                                                  clear_runs=True)
         selected = time.perf_counter()
         with _range("pack", group):
             status = torch.logical_not(torch.isfinite(values)).any()
@@ -381,7 +384,8 @@ class StepExchange:
             return future
 
         self._issue(start,
-                    lambda: self._finish_sparse(keys, buffers, segments, gathered[0], k, numel),
+                    lambda: self._finish_sparse(keys, buffers, segments, gathered[0], k, numel,
+                                                cleared),
                     record)
         self.topk_s += selected - selecting
         # the rest of the group's work on this thread, for the cost model
@@ -571,7 +575,7 @@ class StepExchange:
             if key not in self.parked and self.memory.get(key) is not None:
                 self.memory.stage(key, None)  # the residual went out with the dense sum
 
-    def _finish_sparse(self, keys, buffers, segments, gathered, k, numel):
+    def _finish_sparse(self, keys, buffers, segments, gathered, k, numel, cleared=False):
         started = time.perf_counter()
         values, indices, nonfinite_any = communicator.unpack_gathered(gathered, self.world_size, k)
         if nonfinite_any:
@@ -582,7 +586,8 @@ class StepExchange:
                 grad.fill_(float("nan"))
         else:
             _scatter_average(segments, indices.reshape(-1), values.reshape(-1),
-                             1.0 / self.world_size, numel, rows=self.world_size)
+                             1.0 / self.world_size, numel, rows=self.world_size,
+                             cleared=cleared)
         self.memory.stage_group(buffers, [key for key in keys if key not in self.parked])
         if not nonfinite_any:
             self.writeback_samples.append((numel, time.perf_counter() - started))
@@ -703,7 +708,8 @@ def _offset_in(grad, buffer):
     return at if at + grad.numel() <= buffer.numel() else None
 
 
-def _scatter_average(segments, indices, values, scale, numel, rows=1, per_payload=None):
+def _scatter_average(segments, indices, values, scale, numel, rows=1, per_payload=None,
+                     cleared=False):
     """Write ``scale * (sum of every rank's sparse entries)`` into the group's gradients.
 
     ``indices``/``values``: ``rows`` payloads of equal length, one after the other (the
@@ -721,31 +727,35 @@ def _scatter_average(segments, indices, values, scale, numel, rows=1, per_payloa
     contributions in fp16/bf16 would round at every add).
 
     On a GPU (``per_payload``, default: the tensors are not on the CPU) see
-    :func:`_scatter_average_per_payload`.
+    :func:`_scatter_average_per_payload`. ``cleared``: the fp32 runs are zero already (the
+    fused pass zeroed them as it read them), so they are not zeroed again.
     """
     if per_payload is None:
         per_payload = indices.device.type != "cpu"
     if per_payload and rows >= 1 and indices.numel() % rows == 0:
-        _scatter_average_per_payload(segments, indices, values, scale, numel, rows)
+        _scatter_average_per_payload(segments, indices, values, scale, numel, rows, cleared)
         return
     if all(grad.dtype == torch.float32 for _, _, grad in segments):
         if len(segments) == 1:
             grad = segments[0][2]
-            grad.zero_()
+            if not cleared:
+                grad.zero_()
             grad.index_add_(0, indices, values, alpha=scale)
             return
         ordered = _run_major_order(segments, indices, values, rows)
         if ordered is not None:
             run_indices, run_values, bounds = ordered
             for (g_off, _, grad), lo, hi in zip(segments, bounds, bounds[1:]):
-                grad.zero_()
+                if not cleared:
+                    grad.zero_()
                 if hi > lo:
                     grad.index_add_(0, run_indices[lo:hi] - g_off, run_values[lo:hi], alpha=scale)
             return
         for g_off, n, grad in segments:
             inside = (indices >= g_off) & (indices < g_off + n)
             local = (indices - g_off).clamp_(0, n - 1)
-            grad.zero_()
+            if not cleared:
+                grad.zero_()
             grad.index_add_(0, local, torch.where(inside, values, values.new_zeros(())),
                             alpha=scale)
         return
@@ -755,7 +765,8 @@ def _scatter_average(segments, indices, values, scale, numel, rows=1, per_payloa
         grad.copy_(result[g_off:g_off + n])
 
 
-def _scatter_average_per_payload(segments, indices, values, scale, numel, rows):
+def _scatter_average_per_payload(segments, indices, values, scale, numel, rows,
+                                 cleared=False):
     """The GPU write-back: one ``index_add_`` per payload into one group-sized fp32 sum
     (or straight into a single fp32 run), then one fused copy into every run.
 
@@ -773,7 +784,8 @@ def _scatter_average_per_payload(segments, indices, values, scale, numel, rows):
     single = len(segments) == 1 and segments[0][2].dtype == torch.float32
     target = (segments[0][2] if single
               else torch.empty(numel, dtype=torch.float32, device=values.device))
-    target.zero_()
+    if not (single and cleared):
+        target.zero_()
     for r in range(rows):
         target.index_add_(0, indices[r * per:(r + 1) * per], values[r * per:(r + 1) * per],
                           alpha=scale)

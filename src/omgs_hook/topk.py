@@ -177,15 +177,20 @@ class TopkSelector:
     def _select(self, x, k):
         raise NotImplementedError(f"{type(self).__name__} must implement _select")
 
-    def accumulate_select(self, runs, residual, out, k):
+    def accumulate_select(self, runs, residual, out, k, clear_runs=False):
         """``out = gradient + residual``, then ``select(out, k)``.
 
         ``runs``: ``[(offset, length, gradient slice)]`` covering ``out`` (a 1-D float32
         tensor); ``residual``: a tensor like ``out`` or None (zero). The result is exactly
         ``select(out, k)`` after the sums; a backend may fuse the two passes (the
-        ``sampled`` CPU selector does), which only changes the speed.
+        ``sampled`` CPU selector does), which only changes the speed. With
+        ``clear_runs`` every gradient run is zero on return (the hook's write-back then
+        need not zero it; the fused pass zeroes each chunk while it is in cache).
         """
         _accumulate_into(runs, residual, out)
+        if clear_runs:
+            for _, _, grad in runs:
+                grad.zero_()
         return self.select(out, k)
 
     def stats(self):
@@ -407,31 +412,34 @@ class SampledTopkSelector(TopkSelector):
         ranked = torch.topk(sample, retry_rank, sorted=True).values
         return ranked[rank - 1], ranked[retry_rank - 1]
 
-    def accumulate_select(self, runs, residual, out, k):
+    def accumulate_select(self, runs, residual, out, k, clear_runs=False):
         """``out = gradient + residual`` and the exact top-k of ``out``, in one pass.
 
         On the CPU for float32, where the sampled path applies: the threshold comes from
         the sample positions' values of ``gradient + residual`` (read before the pass),
         then one pass in cache-sized chunks writes each chunk of ``out``, its magnitudes
-        into a small reused buffer and the candidate mask - so ``|out|`` never goes
-        through memory as a whole. The rest is the sampled path: at least k candidates
-        make the exact rule on the candidates exact; fewer (or a threshold of 0, or
-        NaN/inf in the sample) fall back to the plain path on the finished ``out``.
+        into a small reused buffer, compares them and collects the chunk's candidate
+        positions (and, with ``clear_runs``, zeroes the gradient chunk it just read) - so
+        neither ``|out|`` nor a group-sized mask goes through memory. The rest is the
+        sampled path: at least k candidates make the exact rule on the candidates exact;
+        fewer (or a threshold of 0, or NaN/inf in the sample) fall back to the plain path
+        on the finished ``out``.
         """
         numel = out.numel()
         k = check_selection_args(out, k)
         if (out.device.type != "cpu" or out.dtype != torch.float32 or k == numel
                 or numel < self.min_numel or k > self.max_density * numel):
-            return super().accumulate_select(runs, residual, out, k)
+            return super().accumulate_select(runs, residual, out, k, clear_runs)
         positions = self._sorted_sample_at(numel, k)
         first, _ = self._ranked_thresholds(_sum_at(runs, residual, positions).abs_(), numel, k)
         if not bool(first > 0) or not bool(torch.isfinite(first)):
-            return super().accumulate_select(runs, residual, out, k)
+            return super().accumulate_select(runs, residual, out, k, clear_runs)
         self._count(calls=1, sampled_calls=1)
         signed, unsigned = _BIT_VIEWS[4]
         threshold_bits = first.reshape(1).view(signed).numpy().view(unsigned)[0]
-        mask = self._scratch(numel, torch.bool).numpy()
         chunk = self._chunk_scratch(out.dtype)
+        chunk_mask = self._chunk_scratch(torch.bool).numpy()
+        found = []  # ascending candidate positions, chunk by chunk
         with torch.no_grad():
             for offset, length, grad in runs:
                 for start in range(0, length, FUSED_CHUNK):
@@ -442,11 +450,18 @@ class SampledTopkSelector(TopkSelector):
                         target.copy_(source)
                     else:
                         torch.add(source, residual[offset + start:offset + stop], out=target)
+                    if clear_runs:
+                        source.zero_()  # still in cache: the write-back need not zero it
                     magnitudes = chunk[:stop - start]
                     torch.abs(target, out=magnitudes)
+                    hits = chunk_mask[:stop - start]
                     np.greater_equal(magnitudes.view(signed).numpy().view(unsigned),
-                                     threshold_bits, out=mask[offset + start:offset + stop])
-            candidates = torch.from_numpy(np.flatnonzero(mask))
+                                     threshold_bits, out=hits)
+                    where = np.flatnonzero(hits)
+                    if where.size:
+                        found.append(where + (offset + start))
+            candidates = torch.from_numpy(
+                np.concatenate(found) if found else np.empty(0, dtype=np.int64))
             if candidates.numel() >= k:
                 self._count(candidates=candidates.numel())
                 indices = candidates[exact_topk_positions(out[candidates].abs(), k)]
