@@ -350,19 +350,21 @@ class StepExchange:
         # values is the non-finite check (no pass over acc, no host sync). The flag
         # travels in the payload; every rank then treats the step as non-finite and the
         # staged residual (acc) is discarded, so acc may be modified regardless.
-        cleared = residual is not False
-        if not cleared:
+        fused = residual is not False
+        # the fused CPU pass zeroes each gradient chunk while it is in cache, so the
+        # write-back need not; on a GPU the write-back overwrites the runs anyway
+        cleared = fused and acc.device.type == "cpu"
+        if not fused:
             with _range("assemble", group):
                 self._accumulate(keys, numel, prepared)
             selecting = time.perf_counter()
             with _range("select", group):
                 values, indices = self.selector.select(acc, k)
-        else:  # the selector adds gradient and residual in its own pass (fused on CPU),
-            # and zeroes the gradient runs as it reads them: the write-back only adds
+        else:  # the selector adds gradient and residual in its own pass (fused on CPU)
             selecting = started
             with _range("assemble_select", group):
                 values, indices = self.selector.accumulate_select(segments, residual, acc, k,
-                                                                  clear_runs=True)
+                                                                  clear_runs=cleared)
         selected = time.perf_counter()
         with _range("pack", group):
             status = torch.logical_not(torch.isfinite(values)).any()
