@@ -645,3 +645,29 @@ def test_sum_at_reads_every_run_of_a_multi_bucket_group(cuts, dtype):
         positions = selector._sorted_sample_at(numel, k)
         assert torch.equal(_sum_at(runs, residual, positions), whole[positions])
         assert torch.equal(_sum_at(runs, None, positions), gradient[positions])
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_accumulate_with_fused_launches_equals_one_add_per_run(with_residual):
+    """The GPU's fixed-launch accumulate (one multi-tensor copy, one add over the group),
+    run here on the CPU: the same sums, bit for bit, as one add per run; runs that do
+    not cover the group, or of another dtype, take the per-run loop."""
+    from omgs_hook.topk import _accumulate_into
+
+    gen = torch.Generator().manual_seed(5)
+    numel = 10_007
+    grad = torch.randn(numel, generator=gen) * 1e3
+    residual = torch.randn(numel, generator=gen) * 1e-3 if with_residual else None
+    runs = _runs_of(grad, [1, 17, 4000, 4001, 9000], torch.float32)
+    results = []
+    for foreach in (False, True):
+        out = torch.full((numel,), 7.0)
+        _accumulate_into(runs, residual, out, foreach=foreach)
+        results.append(out)
+    assert torch.equal(results[0].view(torch.int32), results[1].view(torch.int32))
+    expected = grad + residual if with_residual else grad
+    assert torch.equal(results[1], expected)
+    # runs covering part of the group only: the untouched rest stays as it was
+    out = torch.full((numel,), 7.0)
+    _accumulate_into(runs[:2], residual, out, foreach=True)
+    assert torch.equal(out[17:], torch.full((numel - 17,), 7.0))
