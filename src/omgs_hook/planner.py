@@ -58,6 +58,15 @@ out their intra-node reduce-scatter (a lower bound, not exact), the exact mode s
 (:func:`_exact_modes`) prices it. Every reported time is the exact two-level
 :func:`~omgs_hook.cost_model.simulate`.
 
+Index range: a sparse group's indices travel as int32, so every plan's sparse groups hold
+at most :data:`~omgs_hook.cost_model.MAX_SPARSE_GROUP_NUMEL` (2**31 - 1) elements. After
+any strategy (and in :func:`evaluate`), a larger sparse group is cut at unit boundaries
+into consecutive pieces, each as large as fits (:func:`_fit_index_range`); a unit larger
+than that on its own stays a piece of its own (the hook cuts it at parameter boundaries).
+The searches do not see the limit, so for such instances "exact" means: the exact optimum
+of the unlimited model, cut to fit. At those sizes one more collective's startup is
+negligible beside the gigabytes each piece sends.
+
 Determinism: a plan depends only on the instance - no randomness, timing or object
 hashing - and ties are broken by fixed orders (stable sorts; among equal states the one
 generated first wins: earlier group start, sparse before dense), so every rank that
