@@ -343,6 +343,8 @@ class OMGSState:
             exact minimum of the cost model - OMGS), ``"greedy"`` (the paper's merge
             rule), ``"single"`` (one group: TopK-SGD), ``"layerwise"`` (every bucket
             alone: LAGS-SGD) or ``"threshold:BYTES"`` (close a group at BYTES of gradient).
+            Whatever the strategy, a sparse group holds at most 2**31 - 1 elements (its
+            indices are int32): a larger one is cut into consecutive pieces.
         warmup_steps (int): steps of dense all-reduce at the start, used to measure
             backward times and to let DDP rebuild its buckets. Default 5.
         density_warmup_steps (int): after the dense warm-up, lower the density
