@@ -396,3 +396,48 @@ def test_a_parameter_beyond_the_int32_index_range_is_refused_at_construction(mon
     with pytest.raises(ValueError, match=r"plan: the pinned plan's sparse group 0 holds 216"):
         OMGSState(module=model, plan=pinned)
     OMGSState(module=model, plan={**pinned, "dense": [True]})
+
+
+def test_groups_are_sent_when_their_last_parameter_arrives_in_plan_order():
+    """The per-step tracking of plan groups (a counter per group, no scan of every
+    pending group at each bucket): a group goes out at the bucket that completes it,
+    groups completed by the same bucket in plan order, and the last bucket flushes
+    whatever a plan group still misses."""
+    from omgs_hook.group_plan import GroupPlan
+
+    class FakeExchange:
+        def __init__(self):
+            self.arrived, self.sent, self.calls, self.layout = {}, set(), [], []
+
+        def send_group(self, keys, dense):
+            self.calls.append((tuple(keys), dense))
+            self.sent.update(keys)
+
+    state = OMGSState()
+    state.plan = GroupPlan(groups=(("d", "a"), ("b",), ("c", "e"), ("x",)),
+                           dense=(False, True, False, False),
+                           layout=(("a",), ("b", "d"), ("c",), ("e",), ("x",)),
+                           strategy="fixed", predicted_iteration_s=0.0, made_at_step=0)
+    exchange = FakeExchange()
+    state._start_group_tracking()
+    arrivals = [["a"], ["b", "d"], ["c"], ["e"]]  # "x" never arrives (unused this step)
+    sent_after = []
+    for bucket in arrivals:
+        exchange.layout.append(tuple(bucket))
+        for key in bucket:
+            exchange.arrived[key] = True
+        state._send_ready_groups(exchange, bucket)
+        sent_after.append(list(exchange.calls))
+    assert sent_after[0] == []
+    # bucket ("b", "d") completes group 1 (b) and group 0 (d, a): plan order, 0 first
+    assert sent_after[1] == [(("d", "a"), False), (("b",), True)]
+    assert sent_after[2] == sent_after[1]
+    assert sent_after[3][-1] == (("c", "e"), False)
+    exchange.arrived["y"] = True  # a parameter the plan does not know
+    exchange.layout.append(("y",))
+    state._flush(exchange)
+    assert exchange.calls[-1] == (("y",), False)  # (the absent "x" sends nothing)
+    assert len(exchange.calls) == 4
+    # the next step starts afresh
+    state._start_group_tracking()
+    assert state._group_missing == [2, 1, 2, 1] and not any(state._group_sent)

@@ -681,6 +681,10 @@ class OMGSState:
                         "sparse_group_elements": 0, "sparse_group_selected": 0,
                         "inter_node_bytes": 0, "intra_node_bytes": 0, "rewound_steps": 0}
         self._hooks = []
+        # per step (see _start_group_tracking): the plan's key -> group map, how many
+        # parameters of each group have not arrived, which groups are sent
+        self._group_of = (None, {})
+        self._group_missing, self._group_sent = [], []
         if self._pinned is not None and self._pinned[0] == "keys" and module is not None:
             _check_plan_keys(self._pinned[1], self._shapes)
         if dist.is_available() and dist.is_initialized():
@@ -981,7 +985,7 @@ class OMGSState:
             if self._in_dense_mode():
                 exchange.send_group(keys, dense=True)
             else:
-                self._send_ready_groups(exchange)
+                self._send_ready_groups(exchange, keys)
                 if last:
                     self._flush(exchange)
             self.meter.sends_finished()
@@ -1070,7 +1074,21 @@ class OMGSState:
         # advances at the last bucket, possibly after the collectives finished
         self._exchange.step_number = self.step + 1
         self._exchange.warmup = self.step < self.warmup_steps
-        self._pending_groups = list(range(len(self.plan.groups))) if self.plan is not None else []
+        self._start_group_tracking()
+
+    def _start_group_tracking(self):
+        """Per step: how many parameters of each plan group have not arrived yet, and
+        which groups are sent. A bucket's arrival then costs O(its parameters), not a
+        scan of every pending group's parameters (O(parameters^2) per step: 216 ms of a
+        600 ms step for one group of 1200 buckets)."""
+        plan = self.plan
+        if plan is None:
+            self._group_missing, self._group_sent = [], []
+            return
+        if self._group_of[0] is not plan:
+            self._group_of = (plan, {key: g for g, keys in enumerate(plan.groups) for key in keys})
+        self._group_missing = [len(keys) for keys in plan.groups]
+        self._group_sent = [False] * len(plan.groups)
 
     def _clip_per_sqrt_element(self):
         """``local_clip_norm / sqrt(N * world_size)``: a group of D elements is clipped to
@@ -1080,27 +1098,33 @@ class OMGSState:
         total = sum(math.prod(shape) for shape in self._shapes.values())
         return self.local_clip_norm / math.sqrt(total * self.world_size)
 
-    def _send_ready_groups(self, exchange):
-        """Issue, in plan order, every not-yet-sent group whose parameters all arrived."""
+    def _send_ready_groups(self, exchange, arrived_keys):
+        """Issue, in plan order, every group whose last parameter is among
+        ``arrived_keys`` (the bucket that just arrived)."""
         if self.plan is None:
             return
-        still_pending = []
-        for g in self._pending_groups:
-            keys = self.plan.groups[g]
-            if all(key in exchange.arrived for key in keys):
-                exchange.send_group(keys, dense=self.plan.dense[g])
-            else:
-                still_pending.append(g)
-        self._pending_groups = still_pending
+        group_of, missing = self._group_of[1], self._group_missing
+        complete = []
+        for key in arrived_keys:
+            g = group_of.get(key)
+            if g is not None:
+                missing[g] -= 1
+                if missing[g] == 0:
+                    complete.append(g)
+        for g in sorted(complete):
+            self._group_sent[g] = True
+            exchange.send_group(self.plan.groups[g], dense=self.plan.dense[g])
 
     def _flush(self, exchange):
         """At the last bucket: send what the plan left (partial groups, unknown parameters)."""
         if self.plan is not None:
-            for g in self._pending_groups:
+            for g, sent in enumerate(self._group_sent):
+                if sent:
+                    continue
                 keys = [k for k in self.plan.groups[g] if k in exchange.arrived and k not in exchange.sent]
                 if keys:
                     exchange.send_group(keys, dense=self.plan.dense[g])
-            self._pending_groups = []
+            self._group_sent = [True] * len(self._group_sent)
         leftover = [k for bucket in exchange.layout for k in bucket if k not in exchange.sent]
         if leftover:
             exchange.send_group(leftover, dense=False)
