@@ -7,6 +7,7 @@ gradient and residual gathered by the test itself.
 
 import gc
 import os
+import re
 import time
 
 import pytest
@@ -592,3 +593,37 @@ def test_groups_beyond_the_index_range_are_cut_and_match_reference(strategy):
         assert r["worst"]["conservation"] < 1e-5, r["worst"]
         groups = r["stats"]["last"]["group_keys"]
         assert len(groups) >= 2 and all(sum(sizes[k] for k in g) <= 1100 for g in groups), groups
+
+
+def too_large_parameter_worker(rank, world_size):
+    """Without ``module`` nothing is checked up front: a parameter beyond the (lowered)
+    index range fails the first sparse step with an error naming it."""
+    from omgs_hook import cost_model
+
+    cost_model.MAX_SPARSE_GROUP_NUMEL = 1000
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    ddp.register_comm_hook(omgs_hook.OMGSState(density=DENSITY, warmup_steps=1,
+                                               strategy="layerwise", allow_dense=False,
+                                               select="model"), omgs_hook.omgs_hook)
+    message = None
+    try:
+        for step in range(3):
+            x, y = batch(step, rank)
+            loss_fn(ddp(x), y).backward()
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        message = str(exc)
+    del ddp
+    gc.collect()
+    return message
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_beyond_the_index_range_fails_with_its_name_without_module():
+    results = run_ranks("test_hook_ddp", "too_large_parameter_worker", world_size=2,
+                        pg_timeout_s=30)
+    for message in results:  # b.weight, 1024 elements (named paramN without module)
+        assert message is not None, "the step did not fail"
+        assert re.search(r"parameter 'param\d+' has 1024 elements, more than one sparse group",
+                         message), message

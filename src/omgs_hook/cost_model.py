@@ -116,6 +116,24 @@ __all__ = [
 MAX_SPARSE_GROUP_NUMEL = 2**31 - 1
 
 
+def index_range_pieces(numels):
+    """Cut a sequence of element counts into consecutive runs of positions, each summing
+    to at most :data:`MAX_SPARSE_GROUP_NUMEL` where it can (a count too large alone is a
+    run of its own), each as long as fits. Used for plan groups (units) and for the
+    exchange's groups (parameters)."""
+    limit = MAX_SPARSE_GROUP_NUMEL
+    pieces, piece, size = [], [], 0
+    for i, n in enumerate(numels):
+        if piece and size + n > limit:
+            pieces.append(piece)
+            piece, size = [], 0
+        piece.append(i)
+        size += n
+    if piece:
+        pieces.append(piece)
+    return pieces
+
+
 class InstanceError(ValueError):
     """Invalid planner input. ``field`` names the offending entry (``"layers[2].numel"``)."""
 

@@ -174,11 +174,17 @@ class StepExchange:
         keys = tuple(keys)
         self.sent.update(keys)
         numel = sum(self.arrived[key][1].numel() for key in keys)
-        if not dense and numel > cost_model.MAX_SPARSE_GROUP_NUMEL and len(keys) > 1:
+        if not dense and numel > cost_model.MAX_SPARSE_GROUP_NUMEL:
+            if len(keys) == 1:
+                raise ValueError(
+                    f"parameter {keys[0]!r} has {numel} elements, more than one sparse "
+                    f"group can index ({cost_model.MAX_SPARSE_GROUP_NUMEL}: int32 indices)"
+                )
             # beyond the int32 index range (a plan made on DDP's first, coarser buckets;
             # planned groups are cut at bucket boundaries already): cut it at parameter
-            # boundaries, each piece as large as fits (one too large alone is refused below)
-            for piece in _index_range_pieces([self.arrived[k][1].numel() for k in keys]):
+            # boundaries, each piece as large as fits
+            numels = [self.arrived[k][1].numel() for k in keys]
+            for piece in cost_model.index_range_pieces(numels):
                 self.send_group([keys[i] for i in piece], dense=False)
             return
         if numel == 0:
@@ -333,11 +339,6 @@ class StepExchange:
                     lambda: self._finish_dense(keys, acc, segments=segments), record)
 
     def _send_sparse(self, keys, numel):
-        if numel > cost_model.MAX_SPARSE_GROUP_NUMEL:
-            raise ValueError(
-                f"a group of {numel} elements exceeds the int32 index range; use a plan "
-                "with smaller groups (e.g. strategy='threshold:...')"
-            )
         group = len(self.records)
         started = time.perf_counter()
         k = selected_k(numel, self.density)  # the planner's own k, bit for bit
@@ -424,11 +425,6 @@ class StepExchange:
     def _send_hierarchical(self, keys, numel):
         from . import hierarchical
 
-        if numel > cost_model.MAX_SPARSE_GROUP_NUMEL:
-            raise ValueError(
-                f"a group of {numel} elements exceeds the int32 index range; use a plan "
-                "with smaller groups (e.g. strategy='threshold:...')"
-            )
         lo, size = hierarchical.shard_bounds(numel, self.topology.ranks_per_node,
                                              self.topology.local_rank)
         k = selected_k(size, self.density)
@@ -678,22 +674,6 @@ def _sum_of_squares(segments):
     norms = [torch.linalg.vector_norm(grad).float() if grad.dtype == torch.float64
              else torch.linalg.vector_norm(grad, dtype=torch.float32) for _, _, grad in segments]
     return torch.stack(norms).square().sum()
-
-
-def _index_range_pieces(numels):
-    """Consecutive runs of positions into ``numels``, each summing to at most
-    MAX_SPARSE_GROUP_NUMEL where it can (an element too large alone is a run of its own)."""
-    limit = cost_model.MAX_SPARSE_GROUP_NUMEL
-    pieces, piece, size = [], [], 0
-    for i, n in enumerate(numels):
-        if piece and size + n > limit:
-            pieces.append(piece)
-            piece, size = [], 0
-        piece.append(i)
-        size += n
-    if piece:
-        pieces.append(piece)
-    return pieces
 
 
 def _offset_in(grad, buffer):

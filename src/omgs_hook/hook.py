@@ -314,16 +314,14 @@ def _check_plan_keys(plan, shapes):
             f"plan: the pinned plan does not match the model's parameters (not in the plan: "
             f"{missing[:5]}, not in the model: {unknown[:5]})"
         )
-    if isinstance(shapes, dict):
-        _check_sparse_group_sizes(plan, {k: math.prod(v) for k, v in shapes.items()})
 
 
-def _check_sparse_group_sizes(plan, numels):
+def _check_sparse_group_sizes(plan, shapes):
     """A pinned plan's sparse groups must fit int32 indices (planned ones are cut to fit:
-    planner._fit_index_range)."""
+    planner._fit_index_range). ``shapes``: {key: shape}."""
     limit = cost_model.MAX_SPARSE_GROUP_NUMEL
     for j, (group, dense) in enumerate(zip(plan.groups, plan.dense)):
-        size = sum(numels[k] for k in group)
+        size = sum(math.prod(shapes[k]) for k in group)
         if not dense and size > limit:
             raise ValueError(
                 f"plan: the pinned plan's sparse group {j} holds {size} elements, more than "
@@ -681,12 +679,13 @@ class OMGSState:
                         "sparse_group_elements": 0, "sparse_group_selected": 0,
                         "inter_node_bytes": 0, "intra_node_bytes": 0, "rewound_steps": 0}
         self._hooks = []
-        # per step (see _start_group_tracking): the plan's key -> group map, how many
-        # parameters of each group have not arrived, which groups are sent
+        # per step (see _start_group_tracking): the plan's key -> group map, and how many
+        # parameters of each group have not arrived (0: the group is sent)
         self._group_of = (None, {})
-        self._group_missing, self._group_sent = [], []
+        self._group_missing = []
         if self._pinned is not None and self._pinned[0] == "keys" and module is not None:
             _check_plan_keys(self._pinned[1], self._shapes)
+            _check_sparse_group_sizes(self._pinned[1], self._shapes)
         if dist.is_available() and dist.is_initialized():
             self._setup_topology()
         if module is not None:
@@ -1077,18 +1076,17 @@ class OMGSState:
         self._start_group_tracking()
 
     def _start_group_tracking(self):
-        """Per step: how many parameters of each plan group have not arrived yet, and
-        which groups are sent. A bucket's arrival then costs O(its parameters), not a
-        scan of every pending group's parameters (O(parameters^2) per step: 216 ms of a
+        """Per step: how many parameters of each plan group have not arrived yet (a group
+        is sent when that reaches 0). A bucket's arrival then costs O(its parameters), not
+        a scan of every pending group's parameters (O(parameters^2) per step: 216 ms of a
         600 ms step for one group of 1200 buckets)."""
         plan = self.plan
         if plan is None:
-            self._group_missing, self._group_sent = [], []
+            self._group_missing = []
             return
         if self._group_of[0] is not plan:
             self._group_of = (plan, {key: g for g, keys in enumerate(plan.groups) for key in keys})
         self._group_missing = [len(keys) for keys in plan.groups]
-        self._group_sent = [False] * len(plan.groups)
 
     def _clip_per_sqrt_element(self):
         """``local_clip_norm / sqrt(N * world_size)``: a group of D elements is clipped to
@@ -1112,19 +1110,18 @@ class OMGSState:
                 if missing[g] == 0:
                     complete.append(g)
         for g in sorted(complete):
-            self._group_sent[g] = True
             exchange.send_group(self.plan.groups[g], dense=self.plan.dense[g])
 
     def _flush(self, exchange):
         """At the last bucket: send what the plan left (partial groups, unknown parameters)."""
         if self.plan is not None:
-            for g, sent in enumerate(self._group_sent):
-                if sent:
+            for g, missing in enumerate(self._group_missing):
+                if missing <= 0:  # sent when its last parameter arrived
                     continue
                 keys = [k for k in self.plan.groups[g] if k in exchange.arrived and k not in exchange.sent]
                 if keys:
                     exchange.send_group(keys, dense=self.plan.dense[g])
-            self._group_sent = [True] * len(self._group_sent)
+            self._group_missing = [0] * len(self._group_missing)  # every group is out
         leftover = [k for bucket in exchange.layout for k in bucket if k not in exchange.sent]
         if leftover:
             exchange.send_group(leftover, dense=False)
@@ -1184,7 +1181,7 @@ class OMGSState:
         if kind == "keys":
             plan = self._pinned[1]
             _check_plan_keys(plan, {k for bucket in layout for k in bucket})
-            _check_sparse_group_sizes(plan, {k: math.prod(v) for k, v in self._shapes.items()})
+            _check_sparse_group_sizes(plan, self._shapes)
         else:
             _, units, dense, predicted, _ = self._pinned
             num_units = sum(len(g) for g in units)
@@ -1198,7 +1195,7 @@ class OMGSState:
             unit_plan = planner_mod.Plan(strategy="pinned", groups=units, dense=dense,
                                          predicted_iteration_s=predicted, non_overlapped_s=0.0)
             plan = GroupPlan.from_unit_plan(unit_plan, layout, made_at_step=self.step)
-            _check_sparse_group_sizes(plan, {k: math.prod(v) for k, v in self._shapes.items()})
+            _check_sparse_group_sizes(plan, self._shapes)
         self.plan = dataclasses.replace(plan, made_at_step=self.step,
                                         exchange=self._pinned_exchange()
                                         or self._registered_exchange())

@@ -284,16 +284,10 @@ def _fit_index_range(inst: Instance, groups, modes):
             out_groups.append(tuple(group))
             out_modes.append(bool(dense))
             continue
-        piece, size = [], 0
-        for u in group:
-            if piece and size + numel[u] > limit:
-                out_groups.append(tuple(piece))
-                out_modes.append(False)
-                piece, size = [], 0
-            piece.append(u)
-            size += numel[u]
-        out_groups.append(tuple(piece))
-        out_modes.append(False)
+        group = tuple(group)
+        for piece in cost_model.index_range_pieces([numel[u] for u in group]):
+            out_groups.append(tuple(group[i] for i in piece))
+            out_modes.append(False)
     return tuple(out_groups), tuple(out_modes)
 
 
