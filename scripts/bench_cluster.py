@@ -286,7 +286,8 @@ def build_parser():
     add("--report-only", action="store_true",
         help="measure nothing: re-render --doc and --plot from --results-dir")
     add("--quick", action="store_true",
-        help="smoke run: resnet20, 2 nodes, 2 warm-up steps, 1 round of 2 steps, tiny profile")
+        help="smoke run: resnet20, 2 nodes, batch 8, 2 warm-up steps, 1 round of 2 steps, "
+             "tiny profile")
     add("--wait-load", type=non_negative_number, default=None,
         help="before each configuration wait until the 1-minute load average is below this")
     add("--wait-load-max-s", type=non_negative_number, default=600.0,
@@ -305,6 +306,7 @@ def parse_args(argv=None):
     if args.quick:
         args.models, args.nodes, args.steps, args.rounds = ["resnet20"], [2], 2, 1
         args.warmup_steps, args.profile_reps = 2, 2
+        args.batch_size = min(args.batch_size, 8)  # a smoke run checks the path, not times
     if args.warmup_steps < 2:
         parser.error("--warmup-steps: must be at least 2 (DDP rebuilds its buckets after the "
                      "first iteration; PowerSGD requires it)")

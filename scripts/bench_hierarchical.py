@@ -153,7 +153,7 @@ def build_parser():
     add("--report-only", action="store_true",
         help="measure nothing: re-render --doc from --results-dir")
     add("--quick", action="store_true",
-        help="smoke run: 2 warm-up steps, 1 round of 2 steps, tiny profile")
+        help="smoke run: batch 8, 2 warm-up steps, 1 round of 2 steps, tiny profile")
     add("--timeout", type=positive_number, default=1200.0,
         help="seconds one launch (profile or benchmark) may take")
     add("--suffix", default="",
@@ -167,6 +167,7 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     if args.quick and not args.worker:
         args.steps, args.rounds, args.warmup_steps, args.profile_reps = 2, 1, 2, 2
+        args.batch_size = min(args.batch_size, 8)  # a smoke run checks the path, not times
     return args
 
 
