@@ -20,6 +20,9 @@ What is compared (one DDP model per variant, all built from the same initial wei
     default    ``omgs_hook.register(ddp, density=..., profile=...)``: nothing else set,
                so whatever the installed library does by default (e.g. a measured
                selection among the plans above, ``select="measured"``)
+    topk_again on request only (``--hooks ...,topk_again``): TopK-SGD again, as a model
+               of its own - an A/A control whose difference from topk is the run's
+               noise floor, reported beside the default's ratios
 
 The omgs_hook variants share the same DDP buckets (``--sparse-bucket-cap-mb``, 0 = one
 parameter tensor per bucket, the units the original OMGS/LAGS code works with), the
@@ -112,12 +115,18 @@ from omgs_hook.generated_docs import write_generated_section  # noqa: E402  (aft
 REPO_ROOT = os.path.dirname(_SCRIPT_DIR)
 PROFILE_SCRIPT = os.path.join(_SCRIPT_DIR, "profile.py")
 
-HOOKS = ("allreduce", "powersgd", "topk", "lags", "greedy", "omgs", "omgs_dense", "default")
+HOOKS = ("allreduce", "powersgd", "topk", "lags", "greedy", "omgs", "omgs_dense", "default",
+         "topk_again")
+# run only when --hooks names them: "topk_again" is an A/A control, TopK-SGD a second
+# time as a model of its own; its difference from "topk" is the host's noise floor for
+# every ratio of one run (two identical variants differ by that much by chance alone)
+ON_REQUEST = ("topk_again",)
+DEFAULT_HOOKS = tuple(h for h in HOOKS if h not in ON_REQUEST)
 REFERENCE = "compute"
 VARIANTS = (REFERENCE,) + HOOKS
 # omgs_hook variants with a fixed planner strategy (selection by the cost model)
 SPARSE_STRATEGIES = {"topk": "single", "lags": "layerwise", "greedy": "greedy",
-                     "omgs": "optimal", "omgs_dense": "optimal"}
+                     "omgs": "optimal", "omgs_dense": "optimal", "topk_again": "single"}
 # every variant built on omgs_hook.register (the fixed ones and the library's default)
 OMGS_VARIANTS = tuple(SPARSE_STRATEGIES) + ("default",)
 # the fixed plans the default's selection chooses among (the ones benchmarked here)
@@ -138,6 +147,7 @@ HOOK_LABELS = {
     "omgs": "OMGS-SGD (optimal merge)",
     "omgs_dense": "OMGS-SGD + dense groups",
     "default": "omgs_hook default",
+    "topk_again": "TopK-SGD again (A/A control)",
 }
 # netem_cluster.RECOMMENDED_RATES for vgg16 were derived for a 23M-parameter VGG-style
 # model computing 0.293 s (2 ranks) / 0.618 s (4 ranks) per step. The vgg16 benchmarked
@@ -251,8 +261,9 @@ def build_parser():
     add("--nodes", type=_node_counts, default=[2, 4], help="cluster sizes N, comma separated")
     add("--densities", type=_densities, default=[0.001],
         help="sparse densities, comma separated (each is one launch per cluster)")
-    add("--hooks", type=_csv("hook", HOOKS), default=list(HOOKS),
-        help="hooks to compare (the compute-only reference always runs)")
+    add("--hooks", type=_csv("hook", HOOKS), default=list(DEFAULT_HOOKS),
+        help="hooks to compare (the compute-only reference always runs); add topk_again "
+             "for an A/A control: TopK-SGD twice, whose difference is the run's noise floor")
     add("--rate", type=_rate_override, action="append", default=[],
         help="link rate of one configuration, MODEL:N=RATE (repeatable); default: "
              "default_rate() (communication/computation ratio ~4)")
@@ -893,7 +904,8 @@ def analyse_default(variants):
     ``default_vs_best_peer``: the better of TopK/LAGS over the default (>= 0.98 wanted);
     ``default_slowdown``: per candidate plan, default / candidate - 1 (<= 2% wanted);
     ``default_vs_powersgd``: PowerSGD over the default (> 1: the default is ahead);
-    ``strategy_prediction_error``: per strategy, (predicted - measured) / measured.
+    ``strategy_prediction_error``: per strategy, (predicted - measured) / measured;
+    ``aa_difference``: with the A/A control, topk_again / topk - 1 (the noise floor).
     """
     def median(name):
         v = variants.get(name)
@@ -905,6 +917,8 @@ def analyse_default(variants):
     errors = {k: v for k, v in errors.items() if v is not None}
     if errors:
         out["strategy_prediction_error"] = errors
+    if median("topk") is not None and median("topk_again") is not None:
+        out["aa_difference"] = median("topk_again") / median("topk") - 1.0
     default = median("default")
     if default is None:
         return out
@@ -1382,6 +1396,15 @@ def render_default_targets(results):
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     if not any_default:
         out = []
+    controls = [(f"{r['model']} N={r['nodes']} d={r['density']:g}{_dense_note(r)}",
+                 r["analysis"]["aa_difference"]) for r in results
+                if r["analysis"].get("aa_difference") is not None]
+    if controls:
+        out.append("")
+        out.append("A/A control (`topk_again`: TopK-SGD run a second time, as a model of its "
+                   "own, in the same rounds): its median over TopK-SGD's, the difference two "
+                   "identical variants show by chance in that run - read the ratios above "
+                   "against it: " + "; ".join(f"{n} {_pct(d)}" for n, d in controls) + ".")
     out.append("")
     out.append("### Prediction error per strategy\n")
     out.append("(predicted - measured) / measured of the median step, `predicted` as above "
@@ -1428,7 +1451,8 @@ def plot_results(results, path):
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     colors = {"compute": "0.75", "allreduce": "tab:gray", "powersgd": "tab:purple",
               "topk": "tab:orange", "lags": "tab:green", "greedy": "tab:olive",
-              "omgs": "tab:blue", "omgs_dense": "tab:cyan", "default": "tab:red"}
+              "omgs": "tab:blue", "omgs_dense": "tab:cyan", "default": "tab:red",
+              "topk_again": "tab:brown"}
     for ax, (model, density, dense) in zip(axes[0], panels):
         rows = [r for r in results if r["model"] == model and r["density"] == density
                 and bool(r["settings"].get("allow_dense")) == dense]

@@ -178,6 +178,24 @@ def test_render_reports_the_defaults_targets_and_errors_per_strategy():
            "bold): model (2 groups, 1 dense) 400/610, **single (1 groups) 450/500**." in text
 
 
+def test_the_a_a_control_is_on_request_and_reported_as_the_noise_floor():
+    # not run unless asked for: the default hooks leave it out, --hooks can name it
+    assert "topk_again" not in bench.parse_args([]).hooks
+    assert bench.parse_args(["--hooks", "topk,topk_again"]).hooks == ["topk", "topk_again"]
+    r = _with_default(topk_again=0.84)  # TopK-SGD itself runs at 0.8
+    r["analysis"] = bench.analyse(r)
+    assert r["analysis"]["aa_difference"] == pytest.approx(0.05)
+    # the control is not a plan the default chooses among
+    assert "topk_again" not in r["analysis"]["default_slowdown"]
+    text = bench.render_tables([r], "benchmarks.png")
+    assert "| TopK-SGD again (A/A control) | 840 |" in text
+    assert "A/A control (`topk_again`" in text and "resnet20 N=4 d=0.001 +5%." in text
+    plain = _with_default()
+    plain["analysis"] = bench.analyse(plain)
+    assert "aa_difference" not in plain["analysis"]
+    assert "A/A control" not in bench.render_tables([plain], "benchmarks.png")
+
+
 def test_a_running_selection_trial_is_recognised():
     running = bench._selection_in_progress
     assert running({"selection": {"select": "measured", "trial": {"candidates": []}}})
@@ -317,7 +335,7 @@ def test_bench_cluster_quick_run(tmp_path):
     files = list(results.glob("bench_resnet20_n2_d0.001.json"))
     assert len(files) == 1
     result = json.loads(files[0].read_text())
-    assert set(result["variants"]) == set(bench.VARIANTS)
+    assert set(result["variants"]) == set(bench.VARIANTS) - set(bench.ON_REQUEST)
     for name, v in result["variants"].items():
         assert v["timed_steps"] == 2 and v["median_s"] > 0, name
     omgs = result["variants"]["omgs"]
