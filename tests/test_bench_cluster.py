@@ -256,11 +256,18 @@ def test_a_user_model_must_name_an_existing_builder(tmp_path, capsys):
     assert sum(p.numel() for p in model.parameters()) == 3 * 32 * 32 * 10 + 10
 
 
-def test_profile_sweep_spans_the_largest_sparse_message():
+def test_profile_sweep_spans_the_sparse_messages_and_the_dense_gradient():
     sizes, topk_sizes = bench.profile_sweep(20_000_000, 0.001, quick=False)
     largest_message = 4 * (2 * 20_000 + 1)
-    assert sizes[0] == 64 and sizes[-1] >= largest_message and len(sizes) == 6
+    # up to the whole fp32 gradient: a dense group's all-reduce is priced from measured
+    # sizes, not extrapolated from latency-bound ones
+    assert sizes[0] == 64 and sizes[-1] == 4 * 20_000_000 and len(sizes) == 8
+    assert any(largest_message <= s <= 4 * largest_message for s in sizes)
+    assert sizes == sorted(set(sizes))
     assert topk_sizes[0] == 1000 and topk_sizes[-1] == 20_000_000
+    # the smoke run keeps to the sparse sizes
+    quick, _ = bench.profile_sweep(20_000_000, 0.001, quick=True)
+    assert quick[-1] == 2 * largest_message and len(quick) == 3
 
 
 # ------------------------------------------------------------ convergence: pure logic
