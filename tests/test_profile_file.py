@@ -12,8 +12,10 @@ from omgs_hook.profile_file import (
     ProfileError,
     default_profile,
     load_profile,
+    profile_bandwidth_gaps,
     profile_from_dict,
     profile_mismatches,
+    unmeasured_bandwidth,
 )
 
 VALID = {
@@ -155,6 +157,26 @@ def test_mismatches_name_every_difference():
     assert "'gloo'" in problems[1] and "'nccl'" in problems[1]
     assert "'cpu'" in problems[2] and "'cuda'" in problems[2]
     assert profile_mismatches(profile, 8, "gloo", "cpu") == [problems[0].replace("=4", "=8")]
+
+
+def test_a_per_byte_cost_fitted_as_zero_is_named_with_its_collective():
+    # a sweep that stopped at latency-bound sizes: the all-reduce's bytes look free
+    assert profile_bandwidth_gaps(profile_from_dict(VALID)) == []
+    data = copy.deepcopy(VALID)
+    data["dense"]["beta_s_per_byte"] = 0.0
+    gaps = profile_bandwidth_gaps(profile_from_dict(data, "p.json"))
+    assert len(gaps) == 1
+    assert gaps[0].startswith("p.json: the all-reduce (dense groups) cost per byte ('dense') "
+                              "was fitted as 0")
+    assert "--sizes" in gaps[0]
+    data["comm"]["beta_s_per_byte"] = 0.0
+    gaps = profile_bandwidth_gaps(profile_from_dict(data, "p.json"))
+    assert [g.split("(")[0] for g in gaps] == ["p.json: the packed all-gather ",
+                                               "p.json: the all-reduce "]
+    # the same rule on the raw fits omgs-profile prints; absent collectives are skipped
+    assert unmeasured_bandwidth({"inter": 0.0, "intra": 1e-9, "dense": None}, "x") == [
+        unmeasured_bandwidth({"inter": 0.0}, "x")[0]]
+    assert "inter-node sparse all-gather" in unmeasured_bandwidth({"inter": 0.0}, "x")[0]
 
 
 @pytest.mark.parametrize("device_type, backend, topk_backend", [

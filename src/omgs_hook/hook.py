@@ -74,7 +74,8 @@ from .group_exchange import StepExchange
 from .group_plan import GroupPlan, check_exchange
 from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, comm_sums,
                            least_median_factor, slowest_rank_timeline, two_level_comm_sums)
-from .profile_file import Profile, default_profile, load_profile, profile_mismatches
+from .profile_file import (Profile, default_profile, load_profile, profile_bandwidth_gaps,
+                           profile_mismatches)
 from .residual_memory import ResidualMemory, check_residuals
 
 logger = logging.getLogger("omgs_hook")
@@ -883,6 +884,8 @@ class OMGSState:
             self.profile = self._profile_arg
             for problem in profile_mismatches(self.profile, world,
                                               dist.get_backend(self.process_group), device.type):
+                warnings.warn(f"omgs_hook: {problem}", RuntimeWarning, stacklevel=2)
+            for problem in profile_bandwidth_gaps(self.profile):
                 warnings.warn(f"omgs_hook: {problem}", RuntimeWarning, stacklevel=2)
         self.memory.move_to(device)
 

@@ -352,6 +352,47 @@ def load_profile(path):
     return profile_from_dict(data, path)
 
 
+# the collectives a profile prices per byte: field -> what it carries
+PER_BYTE_FIELDS = {
+    "comm": "packed all-gather (sparse groups)",
+    "dense": "all-reduce (dense groups)",
+    "intra": "intra-node collectives",
+    "inter": "inter-node sparse all-gather",
+    "inter_dense": "inter-node all-reduce",
+}
+
+
+def unmeasured_bandwidth(betas, where):
+    """One line per collective whose fitted per-byte cost is 0 (empty when none is).
+
+    ``betas`` maps a field of :data:`PER_BYTE_FIELDS` to its ``beta_s_per_byte``. No
+    network moves bytes for free: a zero means the sweep's largest messages cost no more
+    than the latency (on a fast link, sizes of a few tens of kB), so every larger
+    message - a dense group, a large sparse one - is priced at latency only, and a plan
+    may send far more than the link can carry.
+    """
+    lines = []
+    for field, beta in betas.items():
+        if beta is not None and beta <= 0.0:
+            lines.append(
+                f"{where}: the {PER_BYTE_FIELDS.get(field, field)} cost per byte "
+                f"('{field}') was fitted as 0 - its sweep never left the latency-bound "
+                f"sizes, so larger messages are priced at latency only; profile again with "
+                f"larger messages (omgs-profile's default sweep, or --sizes up to the "
+                f"gradient's bytes)")
+    return lines
+
+
+def profile_bandwidth_gaps(profile):
+    """:func:`unmeasured_bandwidth` of a loaded :class:`Profile`."""
+    betas = {}
+    for field in PER_BYTE_FIELDS:
+        cost = getattr(profile, field, None)
+        if cost is not None:
+            betas[field] = cost.beta_s_per_byte
+    return unmeasured_bandwidth(betas, profile.path or "default profile")
+
+
 def profile_mismatches(profile, world_size, backend, device_type):
     """Differences between what ``profile`` was measured with and the current run.
 

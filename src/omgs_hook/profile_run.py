@@ -94,7 +94,8 @@ import torch.distributed as dist
 from omgs_hook import cli_types, communicator, topology
 from omgs_hook.cost_model import selected_k
 from omgs_hook.fitting import fit_linear_relative, fit_topk
-from omgs_hook.profile_file import SCHEMA_VERSION, profile_from_dict
+from omgs_hook.profile_file import (
+    PER_BYTE_FIELDS, SCHEMA_VERSION, profile_from_dict, unmeasured_bandwidth)
 
 # Default sweep: adaptive. Message sizes grow geometrically (x2) from 1 KiB towards
 # 8 MiB (a sparse group of a 100M-parameter model at density 0.01 contributes 8 MB) and
@@ -1077,6 +1078,10 @@ def _summary(document, out, plot_path, elapsed):
         lines.append(f"  time budget {sweep['time_budget_s']:g} s, {sweep['spent_s']:.1f} s "
                      f"spent measuring")
     for note in sweep.get("notes", []):
+        lines.append(f"  WARNING {note}")
+    betas = {key: document[key]["beta_s_per_byte"] for key in PER_BYTE_FIELDS
+             if isinstance(document.get(key), dict)}
+    for note in unmeasured_bandwidth(betas, out):
         lines.append(f"  WARNING {note}")
     lines.append(f"  wrote {out}" + (f" and {plot_path}" if plot_path else ""))
     return "\n".join(lines)
