@@ -882,10 +882,9 @@ class OMGSState:
                                            world_size=world)
         else:
             self.profile = self._profile_arg
-            for problem in profile_mismatches(self.profile, world,
-                                              dist.get_backend(self.process_group), device.type):
-                warnings.warn(f"omgs_hook: {problem}", RuntimeWarning, stacklevel=2)
-            for problem in profile_bandwidth_gaps(self.profile):
+            problems = profile_mismatches(self.profile, world,
+                                          dist.get_backend(self.process_group), device.type)
+            for problem in problems + profile_bandwidth_gaps(self.profile):
                 warnings.warn(f"omgs_hook: {problem}", RuntimeWarning, stacklevel=2)
         self.memory.move_to(device)
 

@@ -94,8 +94,7 @@ import torch.distributed as dist
 from omgs_hook import cli_types, communicator, topology
 from omgs_hook.cost_model import selected_k
 from omgs_hook.fitting import fit_linear_relative, fit_topk
-from omgs_hook.profile_file import (
-    PER_BYTE_FIELDS, SCHEMA_VERSION, profile_from_dict, unmeasured_bandwidth)
+from omgs_hook.profile_file import SCHEMA_VERSION, profile_bandwidth_gaps, profile_from_dict
 
 # Default sweep: adaptive. Message sizes grow geometrically (x2) from 1 KiB towards
 # 8 MiB (a sparse group of a 100M-parameter model at density 0.01 contributes 8 MB) and
@@ -1049,7 +1048,8 @@ def _planned_top(document, name):
     return record["planned"][-1] if record and not record["complete"] else None
 
 
-def _summary(document, out, plot_path, elapsed):
+def _summary(document, out, plot_path, elapsed, gaps=()):
+    """The console summary; ``gaps``: :func:`profile_bandwidth_gaps` of the profile."""
     lines = [f"omgs-profile: {document['world_size']} ranks, {document['backend']}, "
              f"{document['device_name']}, {elapsed:.1f} s"]
     for key, label in (("comm", "all_gather"), ("dense", "all_reduce")):
@@ -1079,9 +1079,7 @@ def _summary(document, out, plot_path, elapsed):
                      f"spent measuring")
     for note in sweep.get("notes", []):
         lines.append(f"  WARNING {note}")
-    betas = {key: document[key]["beta_s_per_byte"] for key in PER_BYTE_FIELDS
-             if isinstance(document.get(key), dict)}
-    for note in unmeasured_bandwidth(betas, out):
+    for note in gaps:
         lines.append(f"  WARNING {note}")
     lines.append(f"  wrote {out}" + (f" and {plot_path}" if plot_path else ""))
     return "\n".join(lines)
@@ -1184,7 +1182,8 @@ def main(argv=None):
                                       default_backend=default_backend, world_size=world_size,
                                       backend=backend, device=device, settings=run_settings,
                                       sweep=sweep, topo=topo)
-            profile_from_dict(document, args.out)  # never write a file load_profile rejects
+            # never write a file load_profile rejects
+            profile = profile_from_dict(document, args.out)
             write_json_atomically(args.out, document)
             plot_path = None
             if not args.no_plot:
@@ -1196,7 +1195,8 @@ def main(argv=None):
                 else:
                     plot_path = args.plot or os.path.splitext(args.out)[0] + ".png"
                     plot_profile(document, plot_path)
-            print(_summary(document, args.out, plot_path, elapsed))
+            print(_summary(document, args.out, plot_path, elapsed,
+                           gaps=profile_bandwidth_gaps(profile)))
         # rank 0 writes while the others wait, so the launcher sees every rank finish together
         Timer(device).barrier()
     finally:
