@@ -1198,6 +1198,27 @@ def _verdict(ok):
     return "met" if ok else "**missed**"
 
 
+WITHIN_NOISE = "within A/A noise"
+
+
+def ratio_verdict(ratio, target, noise=None):
+    """Verdict on a speed ratio whose target is ``ratio >= target`` (higher is better).
+
+    Without an A/A control (``noise`` None) it is plain met / missed. With one, ``noise``
+    is the run's A/A difference (``aa_difference``: two identical variants differed by
+    that fraction by chance), and a ratio that clears or misses the target by less than
+    that cannot be told apart from luck: met only at ``target * (1 + noise)`` or above,
+    missed only below ``target / (1 + noise)``, and otherwise ``WITHIN_NOISE``."""
+    if noise is None:
+        return _verdict(ratio >= target)
+    margin = 1.0 + abs(noise)
+    if ratio >= target * margin:
+        return "met"
+    if ratio < target / margin:
+        return "**missed**"
+    return WITHIN_NOISE
+
+
 def render_tables(results, plot_name):
     """The generated Markdown: setup line, one table per configuration, target summary."""
     if not results:
@@ -1308,7 +1329,7 @@ def render_tables(results, plot_name):
         cells = [
             "-" if vs_sparse is None else
             f"{vs_sparse:.2f}x (best: {a['best_sparse_peer']}) "
-            f"{_verdict(vs_sparse >= TARGET_SPEEDUP_VS_SPARSE)}",
+            f"{ratio_verdict(vs_sparse, TARGET_SPEEDUP_VS_SPARSE, a.get('aa_difference'))}",
             _x(a.get("ceiling_vs_best_sparse")),
             "-" if vs_dense is None else
             f"{vs_dense:.2f}x {_verdict(vs_dense >= TARGET_SPEEDUP_VS_ALLREDUCE)}",
@@ -1386,6 +1407,7 @@ def render_default_targets(results):
         library = r.get("library") or {}
         commit = (library.get("commit") or "?")[:7] + ("+" if library.get("dirty") else "")
         peer = a.get("default_vs_best_peer")
+        noise = a.get("aa_difference")
         slow = a.get("default_slowdown") or {}
         each = ", ".join(f"{n} {_pct(slow[n])}" for n in CANDIDATES if n in slow) or "-"
         worst = a.get("default_worst_slowdown")
@@ -1394,11 +1416,12 @@ def render_default_targets(results):
             commit, _ms(default),
             "-" if peer is None else
             f"{peer:.2f}x (best: {a['default_best_peer']}) "
-            f"{_verdict(peer >= TARGET_DEFAULT_VS_BEST_PEER)}",
+            f"{ratio_verdict(peer, TARGET_DEFAULT_VS_BEST_PEER, noise)}",
             each,
+            # "at most 2% slower": candidate / default >= 1 / 1.02
             "-" if worst is None else f"{a['default_worst_candidate']} {_pct(worst)} "
-            f"{_verdict(worst <= TARGET_DEFAULT_VS_CANDIDATE)}",
-            "-" if vs_psgd is None else f"{vs_psgd:.2f}x {_verdict(vs_psgd > 1.0)}",
+            f"{ratio_verdict(1.0 / (1.0 + worst), 1.0 / (1.0 + TARGET_DEFAULT_VS_CANDIDATE), noise)}",
+            "-" if vs_psgd is None else f"{vs_psgd:.2f}x {ratio_verdict(vs_psgd, 1.0, noise)}",
             _x(a.get("default_vs_allreduce")),
         ]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -1411,8 +1434,11 @@ def render_default_targets(results):
         out.append("")
         out.append("A/A control (`topk_again`: TopK-SGD run a second time, as a model of its "
                    "own, in the same rounds): its median over TopK-SGD's, the difference two "
-                   "identical variants show by chance in that run - read the ratios above "
-                   "against it: " + "; ".join(f"{n} {_pct(d)}" for n, d in controls) + ".")
+                   "identical variants show by chance in that run: "
+                   + "; ".join(f"{n} {_pct(d)}" for n, d in controls) + ". In a configuration "
+                   "with the control, a speed-ratio target is met or missed only by more than "
+                   f"that difference, in either direction; closer, it reads `{WITHIN_NOISE}`: "
+                   "the run cannot tell the outcome from luck.")
     out.append("")
     out.append("### Prediction error per strategy\n")
     out.append("(predicted - measured) / measured of the median step, `predicted` as above "

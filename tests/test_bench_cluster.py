@@ -196,6 +196,34 @@ def test_the_a_a_control_is_on_request_and_reported_as_the_noise_floor():
     assert "A/A control" not in bench.render_tables([plain], "benchmarks.png")
 
 
+def test_ratio_targets_are_judged_against_the_a_a_difference():
+    v = bench.ratio_verdict
+    # without a control: plain met / missed at the target
+    assert v(0.98, 0.98) == "met" and v(0.979, 0.98) == "**missed**"
+    # with an A/A difference of 5%: only a margin larger than it decides, either way
+    assert v(0.98 * 1.05, 0.98, 0.05) == "met"
+    assert v(0.98 * 1.049, 0.98, 0.05) == bench.WITHIN_NOISE
+    assert v(0.98 / 1.05, 0.98, -0.05) == bench.WITHIN_NOISE  # the sign does not matter
+    assert v(0.98 / 1.051, 0.98, 0.05) == "**missed**"
+    assert v(0.99, 0.98, 0.0) == "met" and v(0.97, 0.98, 0.0) == "**missed**"
+    # in the default's table: a 4% slower default with a 10% A/A pair is not a miss,
+    # a 50% slower one is; without the control the 4% reads as missed
+    close = _with_default(default=0.52, topk_again=0.88)
+    far = _with_default(default=0.75, topk_again=0.88)
+    far["nodes"] = 8
+    plain = _with_default(default=0.52)
+    plain["nodes"] = 2
+    for r in (close, far, plain):
+        r["analysis"] = bench.analyse(r)
+    text = bench.render_tables([close, far, plain], "benchmarks.png")
+    rows = {line.split(" | ")[0]: line for line in text.splitlines()
+            if line.startswith("| resnet20 N=") and "0123456" in line}
+    assert f"omgs +4% {bench.WITHIN_NOISE}" in rows["| resnet20 N=4 d=0.001"]
+    assert "omgs +50% **missed**" in rows["| resnet20 N=8 d=0.001"]
+    assert "omgs +4% **missed**" in rows["| resnet20 N=2 d=0.001"]
+    assert "met or missed only by more than that difference" in text
+
+
 def test_a_running_selection_trial_is_recognised():
     running = bench._selection_in_progress
     assert running({"selection": {"select": "measured", "trial": {"candidates": []}}})
