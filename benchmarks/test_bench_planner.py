@@ -250,3 +250,45 @@ def test_bench_background_submit_does_not_block(benchmark):
             assert planner.close(timeout=120)
     if benchmark.stats is not None:  # None with --benchmark-disable
         assert benchmark.stats.stats.max < 0.020
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["thread", "process"])
+def test_bench_training_thread_beside_a_background_plan(benchmark, isolate):
+    """What a plan in the background costs the training thread's Python: a loop of small
+    torch calls (what DDP's and the hook's code do at every bucket), timed while a
+    realistic 1000-unit plan with the dense option (~1 s) is computed on the planner's
+    thread or in its worker process (docs/design.md, "Thread or process"). Compare the
+    two ids side by side (the process needs a spare core: run it on a machine with one
+    more core than its busy threads)."""
+    import torch
+
+    torch.set_num_threads(1)
+    inst = _instance(0, 1000, dense=True)
+    x, y = torch.randn(4096), torch.empty(4096)
+
+    def python_heavy_loop():
+        for _ in range(3000):
+            torch.add(x, x, out=y)
+            y.abs_()
+            float(y[0])
+
+    planners = []
+
+    def setup():
+        planner = BackgroundPlanner(name="bench-beside")
+        planners.append(planner)
+        if isolate:
+            planner.start_process()
+            planner.submit(math.sqrt, 4.0, apply_at_step=0, isolate=True)  # warm it
+            planner.poll(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SearchBudgetWarning)
+            planner.submit(make_plan, inst, "optimal", apply_at_step=1, isolate=isolate)
+        return (), {}
+
+    benchmark.group = "training thread beside a 1000-unit dense plan"
+    try:
+        benchmark.pedantic(python_heavy_loop, setup=setup, rounds=3, warmup_rounds=0)
+    finally:
+        for planner in planners:
+            assert planner.close(timeout=120)

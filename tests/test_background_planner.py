@@ -291,3 +291,145 @@ def test_the_module_does_not_import_torch():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# ------------------------------------------------------------------ the worker process
+
+
+@pytest.fixture
+def jobs_importable(monkeypatch):
+    """The worker process finds tests/planner_jobs.py (it inherits the environment)."""
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", tests)
+    import planner_jobs
+    return planner_jobs
+
+
+def test_an_isolated_job_runs_in_another_process_with_the_same_result(planner, jobs_importable):
+    import os
+
+    planner.submit(jobs_importable.pid_and, "x", apply_at_step=1, isolate=True)
+    pid, value = planner.poll(1)
+    assert value == "x" and pid != os.getpid()
+    # the same worker serves the next job; a real plan comes back equal to a local one
+    rng = np.random.default_rng(1)
+    inst = Instance(
+        layers=tuple(Unit(int(rng.integers(1, 10**6)), float(rng.uniform(0, 1e-3)))
+                     for _ in range(120)),
+        world_size=8, density=0.001, forward_s=0.01, comm=LinearCost(1e-3, 1e-9),
+        topk=TopkCost(1e-5, 1e-10, 0.0), dense=LinearCost(2e-3, 2e-10))
+    planner.submit(make_plan, inst, "optimal", apply_at_step=2, isolate=True)
+    assert planner.poll(2) == make_plan(inst, "optimal")
+    planner.submit(jobs_importable.pid_and, "y", apply_at_step=3, isolate=True)
+    assert planner.poll(3)[0] == pid
+    assert planner.last_compute_s >= 0.0
+
+
+def test_an_isolated_jobs_error_and_warnings_reach_the_caller(planner, jobs_importable):
+    planner.submit(jobs_importable.fail, "boom", apply_at_step=1, isolate=True)
+    with pytest.raises(ValueError, match="boom"):
+        planner.poll(1)
+    with pytest.warns(UserWarning, match="careful"):
+        planner.submit(jobs_importable.warn_and_return, "careful", 7, apply_at_step=2,
+                       isolate=True)
+        assert planner.poll(2) == 7
+    planner.submit(jobs_importable.unpicklable_result, apply_at_step=3, isolate=True)
+    with pytest.raises(RuntimeError, match="cannot return the result"):
+        planner.poll(3)
+
+
+def test_a_dead_worker_process_hands_its_job_to_a_thread(planner, jobs_importable):
+    import os
+
+    with pytest.warns(RuntimeWarning, match="worker process ended"):
+        planner.submit(jobs_importable.die_unless_in, os.getpid(), "saved", apply_at_step=1,
+                       isolate=True)
+        assert planner.poll(1) == "saved"  # computed again, here, on a thread
+    # the next isolated job starts a new process
+    planner.submit(jobs_importable.pid_and, "again", apply_at_step=2, isolate=True)
+    pid, value = planner.poll(2)
+    assert value == "again" and pid != os.getpid()
+
+
+def test_a_worker_process_that_cannot_start_leaves_the_job_on_a_thread(planner, monkeypatch):
+    import os
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.warns(RuntimeWarning, match="could not start"):
+        planner.submit(os.getpid, apply_at_step=1, isolate=True)
+    assert planner.poll(1) == os.getpid()
+
+
+def test_close_ends_the_worker_process(jobs_importable):
+    planner = BackgroundPlanner(name="bp-close-process")
+    planner.submit(jobs_importable.pid_and, 1, apply_at_step=1, isolate=True)
+    pid, _ = planner.poll(1)
+    process = planner._process._process
+    assert process.poll() is None  # running, waiting for the next job
+    assert planner.close(timeout=WAIT)
+    assert process.poll() is not None
+    assert not _our_threads("bp-close-process")
+
+
+def test_the_worker_process_does_not_import_torch():
+    from omgs_hook import plan_worker
+
+    code = ("import sys, omgs_hook.plan_worker, omgs_hook.plan_job; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    env = {"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+    # and the framing: what goes in comes out
+    import io
+
+    stream = io.BytesIO()
+    plan_worker.write_message(stream, ("job", 1, [2.5]))
+    stream.seek(0)
+    assert plan_worker.read_message(stream) == ("job", 1, [2.5])
+    assert plan_worker.read_message(stream) is None
+
+
+def test_the_hooks_planning_job_gives_the_same_result_in_the_process(planner):
+    """omgs_hook.plan_job.compute_plan (the hook's re-plan) in the worker process and
+    here: equal results, for the model's plan and for a full trial's candidates."""
+    from omgs_hook.plan_job import compute_plan
+
+    rng = np.random.default_rng(2)
+    inst = Instance(
+        layers=tuple(Unit(int(rng.integers(1, 10**6)), float(rng.uniform(0, 1e-3)))
+                     for _ in range(60)),
+        world_size=4, density=0.01, forward_s=0.01, comm=LinearCost(1e-3, 1e-9),
+        topk=TopkCost(1e-5, 1e-10, 0.0), dense=LinearCost(2e-3, 1e-10), tail_s=0.001)
+    job = {"instance": inst.to_dict(), "kept": None, "model_key": None, "retrial_ok": True}
+    for step, select in enumerate(("model", "measured"), start=1):
+        planner.submit(compute_plan, job, "optimal", select, apply_at_step=step, isolate=True)
+        assert planner.poll(step) == compute_plan(job, "optimal", select)
+
+
+def test_start_process_warms_the_worker_for_the_first_isolated_job(jobs_importable):
+    planner = BackgroundPlanner(name="bp-start-process")
+    assert planner.start_process()
+    process = planner._process
+    planner.submit(jobs_importable.pid_and, 3, apply_at_step=1, isolate=True)
+    assert planner.poll(1)[1] == 3 and planner._process is process  # the same process
+    assert planner.close(timeout=WAIT)
+    with pytest.raises(RuntimeError, match="after close"):
+        planner.start_process()
+
+
+def test_a_planner_dropped_without_close_ends_its_process(jobs_importable):
+    import gc
+
+    planner = BackgroundPlanner(name="bp-dropped")
+    planner.submit(jobs_importable.pid_and, 1, apply_at_step=1, isolate=True)
+    planner.poll(1)
+    process = planner._process._process
+    del planner
+    gc.collect()
+    assert process.wait(timeout=WAIT) is not None
+    deadline = __import__("time").monotonic() + WAIT
+    while _our_threads("bp-dropped") and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.01)
+    assert not _our_threads("bp-dropped")

@@ -435,3 +435,61 @@ def test_a_pinned_plan_keeps_its_exchange_or_is_refused_clearly():
         assert text.startswith("plan: the pinned plan uses the flat exchange") and \
             "topology='hierarchical'" in text, text
         assert r["runs"] == ("flat", "flat")
+
+
+def isolated_selection_worker(rank, world_size, steps, isolate_units):
+    """selection_worker with planning jobs isolated from ``isolate_units`` units on."""
+    import time
+
+    from omgs_hook import hook as hook_mod
+
+    hook_mod.ISOLATE_UNITS = isolate_units
+    hook_mod.planner_has_a_core = lambda world_size: True  # (2 ranks on 2 cores: none)
+    model, ddp, state, opt = build(rank, replan_every=6)
+    for step in range(steps):
+        train_steps(ddp, opt, step, step + 1, rank)
+        # a job is put in use at the first step every rank's planner is done: wait for it
+        # here, so that a process's start-up does not move the switch to a later step
+        while state._planner.pending and not state._planner.ready:
+            time.sleep(0.005)
+    stats = state.stats()
+    process = state._planner._process
+    in_process = process is not None and process.alive
+    del ddp, state
+    gc.collect()
+    return {"history": [(h["step"], h["strategy"], h["groups"], h["dense"])
+                        for h in stats["plan_history"]],
+            "in_process": in_process, "replans": stats["total"]["replans"]}
+
+
+@pytest.mark.timeout(180)
+def test_plans_computed_in_the_worker_process_go_into_use_on_every_rank_alike():
+    """Every planning job in the planner's worker process (ISOLATE_UNITS 1): the trial and
+    its plans go into use at the same steps with the same plans on both ranks (the
+    switch's checksum all-gather would raise otherwise). That the process computes what
+    the thread would is tested on the job itself (test_background_planner.py)."""
+    isolated = run_ranks("test_hook_selection", "isolated_selection_worker", world_size=2,
+                         steps=30, isolate_units=1)
+    assert all(r["in_process"] for r in isolated)
+    assert isolated[0]["replans"] >= 1
+    assert isolated[0]["history"] == isolated[1]["history"]
+    assert len(isolated[0]["history"]) >= 3  # the first plan and the trial's candidates
+    threaded = run_ranks("test_hook_selection", "isolated_selection_worker", world_size=2,
+                         steps=8, isolate_units=10 ** 9)
+    assert not any(r["in_process"] for r in threaded)  # small instances stay on the thread
+
+
+def test_planner_processes_only_where_the_host_has_cores_to_spare(monkeypatch):
+    from omgs_hook import hook as hook_mod
+
+    monkeypatch.setattr(hook_mod.os, "sched_getaffinity", lambda pid: set(range(8)),
+                        raising=False)
+    monkeypatch.setattr(hook_mod.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert hook_mod.planner_has_a_core(16)  # 8 cores, 4 ranks of 1 thread: 4 to spare
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
+    assert not hook_mod.planner_has_a_core(16)  # 3 to spare for 5 planners
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert hook_mod.planner_has_a_core(2) and not hook_mod.planner_has_a_core(8)
+    monkeypatch.setattr(hook_mod.torch, "get_num_threads", lambda: 4)
+    assert not hook_mod.planner_has_a_core(2)  # 2 ranks of 4 threads fill the 8 cores

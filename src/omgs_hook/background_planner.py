@@ -38,20 +38,34 @@ background; :meth:`close` waits for it. A result is handed out once: after ``pol
 returned it, nothing is pending. Because ``None`` means "nothing due", a function used
 with ``poll`` should not return ``None`` (``make_plan`` returns a ``Plan``).
 
-GIL: the worker is a Python thread. Numpy releases the GIL only inside its larger
-operations, so the planner and the training thread's Python code share one core's worth
-of interpreter time while a plan is computed. Python switches threads every
-``sys.getswitchinterval()`` (5 ms by default), so the training thread is delayed by that
-much at a time, not by the whole plan. Backward kernels that run without the GIL
-(torch's autograd engine) are not held up at all.
+Threads or a process (``submit(..., isolate=True)``): a worker *thread* shares the
+interpreter lock (GIL) with the training thread. Numpy holds it in most of its calls, so
+while a plan is computed the training thread's Python - DDP's and the comm hook's code at
+every bucket - waits for the lock again and again: measured here, a loop of small torch
+calls ran 6-10x slower beside a 0.8 s plan (``docs/design.md``). An *isolated* job runs
+in the planner's worker process instead (``python -m omgs_hook.plan_worker``: a fresh
+interpreter without torch, started at the first isolated job and kept for the next
+ones), which shares no lock with training; the job's function and arguments travel as
+pickles, so the function must be a module-level function of a torch-free module. Jobs
+in the process run one at a time, in order; a replaced job is finished and discarded.
+Warnings the job emits are re-emitted here. If the process cannot be started, or dies,
+the job runs on a thread instead (with one ``RuntimeWarning``): the result is the same,
+only the lock is shared again. ``last_compute_s`` is the CPU time the last finished job
+took, wherever it ran: a caller can isolate the next job when that is longer than the
+stall it can afford.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import threading
 import time
-from typing import Any, Callable, List, Optional
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["BackgroundPlanner"]
 
@@ -61,7 +75,8 @@ _thread_numbers = itertools.count(1)
 class _Job:
     """One submitted call and its outcome (written by the worker before ``done`` is set)."""
 
-    __slots__ = ("fn", "args", "kwargs", "apply_at_step", "done", "result", "error", "thread")
+    __slots__ = ("fn", "args", "kwargs", "apply_at_step", "done", "result", "error", "thread",
+                 "compute_s", "owner")
 
     def __init__(self, fn, args, kwargs, apply_at_step):
         self.fn = fn
@@ -72,16 +87,118 @@ class _Job:
         self.result: Any = None
         self.error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
+        self.compute_s: Optional[float] = None
+        self.owner: Optional["BackgroundPlanner"] = None
 
     def run(self) -> None:
+        started = time.thread_time()
         try:
-            self.result = self.fn(*self.args, **self.kwargs)
+            result = self.fn(*self.args, **self.kwargs)
         except BaseException as exc:  # noqa: BLE001 - re-raised by poll, on the caller
-            self.error = exc
-        finally:
-            # drop the references to the inputs (an instance can be large)
-            self.fn = self.args = self.kwargs = None
-            self.done.set()
+            self.finish(False, exc, time.thread_time() - started)
+        else:
+            self.finish(True, result, time.thread_time() - started)
+
+    def finish(self, ok, value, compute_s) -> None:
+        if ok:
+            self.result = value
+        else:
+            self.error = value
+        self.compute_s = compute_s
+        # drop the references to the inputs (an instance can be large)
+        self.fn = self.args = self.kwargs = None
+        if self.owner is not None:
+            self.owner._finished(self)
+        self.done.set()
+
+
+class _WorkerProcess:
+    """The planner's worker process (``python -m omgs_hook.plan_worker``) and the thread
+    that reads its answers. ``send`` hands it a job; the answer finishes the job. When
+    the process dies, the jobs it still had run on threads (``fallback``)."""
+
+    def __init__(self, name, fallback):
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        # the worker imports this very omgs_hook, whatever the parent's sys.path was
+        env["PYTHONPATH"] = os.pathsep.join(
+            [package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        from omgs_hook import plan_worker  # torch-free; its framing on this side
+
+        self._framing = plan_worker
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "omgs_hook.plan_worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env, close_fds=True)
+        # weakly: the reader thread must not keep its planner alive (a planner dropped
+        # without close() ends its process through a finalizer)
+        self._fallback = weakref.WeakMethod(fallback)
+        self._lock = threading.Lock()
+        self._jobs: Dict[int, _Job] = {}
+        self._ids = itertools.count(1)
+        self.alive = True
+        self._reader = threading.Thread(target=self._read_answers, name=f"{name}-process-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def send(self, job: _Job) -> bool:
+        """Hand ``job`` to the process; False (nothing sent) when it is gone."""
+        fn = job.fn
+        with self._lock:
+            if not self.alive:
+                return False
+            job_id = next(self._ids)
+            self._jobs[job_id] = job
+            try:
+                self._framing.write_message(
+                    self._process.stdin,
+                    (job_id, fn.__module__, fn.__qualname__, job.args, job.kwargs))
+            except (OSError, ValueError):
+                del self._jobs[job_id]
+                self.alive = False
+                return False
+        return True
+
+    def _read_answers(self):
+        stream = self._process.stdout
+        while True:
+            try:
+                message = self._framing.read_message(stream)
+            except Exception:  # noqa: BLE001 - a broken stream ends the process's use
+                message = None
+            if message is None:
+                break
+            job_id, ok, value, caught, seconds = message
+            with self._lock:
+                job = self._jobs.pop(job_id, None)
+            for category, text in caught:
+                warnings.warn(text, category, stacklevel=1)
+            if job is not None:
+                job.finish(ok, value, seconds)
+            # nothing of it stays in this frame while the next read blocks (the job
+            # refers to its planner, which must stay collectable)
+            job = value = message = None
+        with self._lock:
+            self.alive = False
+            orphans, self._jobs = list(self._jobs.values()), {}
+        fallback = self._fallback()
+        for job in orphans:  # the process died with work outstanding: finish it here
+            if fallback is not None:
+                fallback(job)
+
+    def close(self, timeout):
+        """End the process (closing its input ends it; killed if it does not)."""
+        with self._lock:
+            self.alive = False
+        try:
+            self._process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._reader.join(timeout)
 
 
 def _check_step(value, name: str) -> int:
@@ -99,10 +216,11 @@ class BackgroundPlanner:
 
     Methods and properties:
 
-    ``submit(fn, *args, apply_at_step, **kwargs)``
-        Start ``fn(*args, **kwargs)`` on a new daemon thread. The result is due at step
-        ``apply_at_step`` (keyword only, an int). It replaces a pending job, whose
-        result is then discarded. Raises ``RuntimeError`` after :meth:`close`.
+    ``submit(fn, *args, apply_at_step, isolate=False, **kwargs)``
+        Start ``fn(*args, **kwargs)`` on a new daemon thread or, with ``isolate``, in the
+        worker process. The result is due at step ``apply_at_step`` (keyword only, an
+        int). It replaces a pending job, whose result is then discarded. Raises
+        ``RuntimeError`` after :meth:`close`.
     ``poll(step) -> result or None``
         ``None`` while nothing is pending or ``step < apply_at_step``. Otherwise: wait
         for the worker if it is still running, clear the pending job, and return its
@@ -120,6 +238,11 @@ class BackgroundPlanner:
         Cancel, then join every worker thread this planner started. ``True`` when none
         is left running; with a ``timeout`` (seconds, for all threads together) a thread
         still running makes it ``False``. Idempotent; also the context manager's exit.
+    ``start_process() -> bool``
+        Start the worker process for isolated jobs now (it starts at the first isolated
+        job otherwise). ``True`` when it runs.
+    ``last_compute_s`` (float)
+        CPU seconds the last finished job took (0.0 before any).
     ``last_wait_s`` (float)
         How long the last ``poll`` that handed out a result waited for the worker (0.0
         when it had finished in time). The stall that planning cost that step.
@@ -128,31 +251,101 @@ class BackgroundPlanner:
     def __init__(self, name: str = "omgs-planner"):
         self._name = str(name)
         self._lock = threading.Lock()
+        self._threads_lock = threading.Lock()
         self._job: Optional[_Job] = None
         self._threads: List[threading.Thread] = []
         self._closed = False
         self.last_wait_s = 0.0
+        self.last_compute_s = 0.0
+        self._process: Optional[_WorkerProcess] = None
+        self._process_starts = 0
+        self._warned = False
 
     # -- submitting -----------------------------------------------------------------
 
-    def submit(self, fn: Callable[..., Any], *args, apply_at_step: int, **kwargs) -> None:
+    def submit(self, fn: Callable[..., Any], *args, apply_at_step: int, isolate: bool = False,
+               **kwargs) -> None:
         """Start ``fn(*args, **kwargs)`` in the background; its result is due at
-        ``apply_at_step``. Replaces (cancels) a pending job."""
+        ``apply_at_step``. Replaces (cancels) a pending job. ``isolate``: run it in the
+        worker process (module docstring), not on a thread."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         apply_at_step = _check_step(apply_at_step, "apply_at_step")
         job = _Job(fn, args, kwargs, apply_at_step)
+        job.owner = self
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("BackgroundPlanner.submit after close()")
+            self._job = job  # a pending job is replaced: its outcome is never looked at
+            if isolate and self._send_to_process(job):
+                return
+            self._start_thread(job)
+
+    def _start_thread(self, job: _Job) -> None:
+        # only the thread list's own lock: a dead process's reader calls this for its
+        # orphans while poll may hold the main lock, waiting for one of them
         thread = threading.Thread(
             target=job.run, name=f"{self._name}-{next(_thread_numbers)}", daemon=True
         )
         job.thread = thread
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("BackgroundPlanner.submit after close()")
+        with self._threads_lock:
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
-            self._job = job  # a pending job is replaced: its outcome is never looked at
-            thread.start()
+        thread.start()
+
+    def _orphaned(self, job: _Job) -> None:
+        """A job the worker process died with: run it on a thread (same result)."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn("omgs_hook: the planner's worker process ended; planning "
+                          "continues on a thread", RuntimeWarning, stacklevel=2)
+        self._start_thread(job)
+
+    def start_process(self) -> bool:
+        """Start the worker process now, ahead of the first isolated job (Python's start
+        and imports take a few hundred ms, which would otherwise delay that job). True
+        when a process is running. Raises ``RuntimeError`` after :meth:`close`."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("BackgroundPlanner.start_process after close()")
+            return self._ensure_process()
+
+    def _ensure_process(self) -> bool:
+        """A live worker process (started, or restarted once if it died), or False.
+        Called with the lock held."""
+        if self._process is not None and self._process.alive:
+            return True
+        if self._process_starts >= 2:
+            return False
+        self._process_starts += 1
+        try:
+            self._process = _WorkerProcess(self._name, self._orphaned)
+            # a planner dropped without close() still ends its process
+            weakref.finalize(self, self._process.close, 10.0)
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"omgs_hook: the planner's worker process could not start "
+                              f"({exc}); planning runs on a thread", RuntimeWarning,
+                              stacklevel=4)
+            self._process_starts = 2
+            return False
+        return True
+
+    def _send_to_process(self, job: _Job) -> bool:
+        """Hand ``job`` to the worker process (started on first use, restarted once if
+        it died); False when no process can take it. Called with the lock held."""
+        for _ in range(2):
+            if not self._ensure_process():
+                return False
+            if self._process.send(job):
+                return True
+        return False
+
+    def _finished(self, job: _Job) -> None:
+        """A job's outcome is in (any thread): remember how long it took."""
+        if job.compute_s is not None:
+            self.last_compute_s = float(job.compute_s)
 
     # -- collecting -----------------------------------------------------------------
 
@@ -208,15 +401,19 @@ class BackgroundPlanner:
         with self._lock:
             self._closed = True
             self._job = None
-            threads = list(self._threads)
+            process, self._process = self._process, None
         deadline = None if timeout is None else time.monotonic() + timeout
+        if process is not None:  # (orphans it leaves start threads: joined below too)
+            process.close(timeout if timeout is not None else 10.0)
+        with self._threads_lock:
+            threads = list(self._threads)
         for thread in threads:
             if deadline is None:
                 thread.join()
             else:
                 thread.join(max(0.0, deadline - time.monotonic()))
         alive = [t for t in threads if t.is_alive()]
-        with self._lock:
+        with self._threads_lock:
             self._threads = alive
         return not alive
 

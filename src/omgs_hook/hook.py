@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from . import communicator
 from . import cost_model
+from . import plan_job
 from . import plan_selection
 from . import planner as planner_mod
 from . import topk as topk_mod
@@ -89,6 +90,30 @@ PLAN_HISTORY_LIMIT = 1000
 # thread meanwhile, is put in use at the start of step s + PLAN_LAG or, when some rank's
 # planner is not done by then, of the first later step at which every rank's is
 PLAN_LAG = 2
+# A planning job runs in the planner's worker process (no interpreter lock shared with
+# the training thread, background_planner) when its instance has at least this many
+# units, or when the last job took longer than REPLAN_STALL_BUDGET_S of CPU: on a thread
+# it would hold the lock that DDP's and this hook's Python need at every bucket.
+# Only where the host has a core to spare for it, though: on a host whose cores the
+# ranks' own threads fill (2 ranks on 2 cores) a planner process would take CPU from
+# training, which costs more than the shared lock (planner_has_a_core).
+ISOLATE_UNITS = 100
+REPLAN_STALL_BUDGET_S = 0.02
+
+
+def planner_has_a_core(world_size):
+    """Whether this host has a core for each local rank's planner process besides the
+    ranks' own threads: usable cores - local ranks * torch threads >= local ranks.
+    Local ranks: torchrun's ``LOCAL_WORLD_SIZE``, else (launched otherwise) the world."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (platforms without affinity)
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    except ValueError:
+        local = max(1, int(world_size))
+    return cores - local * torch.get_num_threads() >= local
 WORLD_SIZE_POLICIES = ("error", "reset")
 UNAPPLIED_POLICIES = ("rewind", "keep")
 # this many steps in a row whose gradient looked unapplied is not a discard pattern (a
@@ -235,74 +260,10 @@ def _two_level_corrected(two_level, correction):
                                               beta_s_per_byte=max(0.0, beta))
 
 
-def _compute_plan(job, strategy, select):
-    """The planning of one re-plan, on the background planner's thread (pure: no torch,
-    no collective). ``job``: what :meth:`OMGSState._replan` gathered. Returns
-    ``{"candidates": [...] or None, "plan": Candidate or None (None: keep the plan in
-    use), "reason": ..., "model_key": ...}``."""
-    inst = Instance.from_dict(job["instance"])
-    # the exchange of the model's plans, and (topology="auto" resolved to the two-level
-    # exchange) the flat instance whose plans the trial compares with them
-    exchange = job.get("exchange")
-    flat_inst = Instance.from_dict(job["flat_instance"]) if job.get("flat_instance") else None
-    unit_plan = planner_mod.make_plan(inst, strategy)
-    model_key = _plan_key(unit_plan)
-    out = {"candidates": None, "plan": None, "reason": "model", "model_key": model_key}
-    if select == "model":
-        out["plan"] = plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan, exchange)
-        return out
-    # the flat model's plan (of the user's strategy), for the later trials' flat candidate
-    flat_plan = planner_mod.make_plan(flat_inst, strategy) if flat_inst is not None else None
-    out["flat_key"] = _plan_key(flat_plan) if flat_plan is not None else None
-    kept = job["kept"]
-    if kept is None:  # a full trial: the first plan, a new layout
-        candidates = plan_selection.model_candidates(inst, strategy, unit_plan,
-                                                     exchange=exchange, flat_inst=flat_inst)
-        if len(candidates) > 1:
-            out["candidates"] = candidates
-        else:
-            out["plan"] = candidates[0]
-        return out
-    out["reason"] = "kept"
-    previous = job["model_key"]
-    model_changed = model_key != (tuple(map(tuple, previous[0])), tuple(previous[1]))
-    # topology="auto" resolved two-level: the flat model's plan is watched as well
-    previous_flat = job.get("flat_model_key")
-    flat_changed = flat_plan is not None and (
-        previous_flat is None
-        or out["flat_key"] != (tuple(map(tuple, previous_flat[0])), tuple(previous_flat[1])))
-    if not model_changed and not flat_changed:
-        return out  # the model's inputs led to the plans the last trial started from
-    groups = tuple(tuple(g) for g in kept["groups"])
-    kept_exchange = kept.get("exchange") or exchange
-    # a kept flat winner is priced on the flat instance
-    kept_inst = flat_inst if kept_exchange == "flat" and flat_inst is not None else inst
-    dense = tuple(kept["dense"]) if kept_inst.dense is not None else (False,) * len(groups)
-    pool = [plan_selection.Candidate.from_plan(f"kept:{kept['name']}",
-                                               planner_mod.evaluate(kept_inst, groups, dense),
-                                               kept_exchange)]
-    if model_changed:  # (an unchanged model plan lost to the kept one, or is it)
-        pool.insert(0, plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan,
-                                                          exchange))
-    best = min(c.predicted_s for c in pool)
-    if flat_plan is not None and (flat_plan.predicted_iteration_s
-                                  <= plan_selection.PRUNE_FACTOR * best):
-        # last: the first to go when the budget is short; pruned as in a full trial
-        pool.append(plan_selection.Candidate.from_plan(
-            plan_selection.FLAT_PREFIX + flat_plan.strategy, flat_plan, "flat"))
-    candidates = plan_selection.dedupe(pool)  # (the flat one goes when it is the kept plan)
-    room = job.get("retrial_room")
-    while room is not None and len(candidates) > 2 and (
-            plan_selection.trial_steps_bound(len(candidates)) > room):
-        candidates.pop()
-    if len(candidates) > 1 and job["retrial_ok"]:
-        out["candidates"] = candidates
-    return out  # over the trial budget, or nothing new: the measured winner stays
-
-
-def _plan_key(plan):
-    """A plan's (groups, dense flags) as tuples: what the later trials compare."""
-    return (tuple(map(tuple, plan.groups)), tuple(bool(d) for d in plan.dense))
+# the planning of one re-plan lives in a torch-free module, so that it can run in the
+# planner's worker process (background_planner)
+_compute_plan = plan_job.compute_plan
+_plan_key = plan_job.plan_key
 
 
 def _check_plan_keys(plan, shapes):
@@ -1134,6 +1095,11 @@ class OMGSState:
         previous, streak = self._layout_streak
         self._layout_streak = (layout, streak + 1 if previous == layout else 1)
         self.step += 1
+        if (self.step == 1 and len(layout) >= ISOLATE_UNITS and self._pinned is None
+                and planner_has_a_core(self.world_size)):
+            # its plans will be computed in the planner's worker process: start it now,
+            # so that its start-up does not delay the first plan
+            self._planner.start_process()
         if self.density >= 1.0 or self.step < self.warmup_steps:
             return
         if self._pinned is not None:
@@ -1567,7 +1533,8 @@ class OMGSState:
     def _replan(self, layout, reason="first"):
         """Re-plan for ``layout``: gather every rank's measurements now (small blocking
         all-gathers, here on the autograd thread), compute the plan and the trial's
-        candidates on the background planner's thread, and put the result in use at
+        candidates on the background planner (its thread, or its worker process for a large
+        instance where the host has a core to spare), and put the result in use at
         bucket 0 of step ``self.step + PLAN_LAG`` or the first later step at which every
         rank's planner is done - the same step on every rank."""
         if reason == "check":
@@ -1741,8 +1708,11 @@ class OMGSState:
 
     def _submit_plan_job(self, job):
         self._plan_job = job
+        isolate = ((len(job["instance"]["layers"]) >= ISOLATE_UNITS
+                    or self._planner.last_compute_s > REPLAN_STALL_BUDGET_S)
+                   and planner_has_a_core(self.world_size))
         self._planner.submit(_compute_plan, job, self.strategy, self.select,
-                             apply_at_step=int(job["apply_at_step"]))
+                             apply_at_step=int(job["apply_at_step"]), isolate=isolate)
 
     def _apply_plan_result(self, result):
         """At bucket 0 of the agreed step: check every rank got the same plans (one small
@@ -2317,7 +2287,8 @@ class OMGSState:
                 "ranks_per_node": self.topology.ranks_per_node}
 
     def close(self):
-        """Remove the forward hooks this state put on the module; stop the planner thread."""
+        """Remove the forward hooks this state put on the module; stop the planner (its
+        threads and its worker process)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

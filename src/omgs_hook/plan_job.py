@@ -1,0 +1,87 @@
+"""What one re-plan computes: the model's plan and the measured selection's candidates.
+
+:func:`compute_plan` is the hook's planning job. It is pure - plain numbers in (the job
+dict the hook builds from the gathered measurements), plans out - and imports neither
+torch nor ``torch.distributed``, so the background planner can run it on a worker thread
+or in its worker process (``omgs_hook.plan_worker``), where it shares no interpreter lock
+with the training thread. Every rank computes the same job and gets the same result.
+"""
+
+from __future__ import annotations
+
+from . import plan_selection
+from . import planner as planner_mod
+from .cost_model import Instance
+
+__all__ = ["compute_plan", "plan_key"]
+
+
+def compute_plan(job, strategy, select):
+    """The planning of one re-plan, on the background planner's worker thread or process
+    (pure: no torch, no collective, no clock). ``job``: what
+    :meth:`omgs_hook.hook.OMGSState._replan` gathered, as plain lists and dicts. Returns
+    ``{"candidates": [...] or None, "plan": Candidate or None (None: keep the plan in
+    use), "reason": ..., "model_key": ...}``."""
+    inst = Instance.from_dict(job["instance"])
+    # the exchange of the model's plans, and (topology="auto" resolved to the two-level
+    # exchange) the flat instance whose plans the trial compares with them
+    exchange = job.get("exchange")
+    flat_inst = Instance.from_dict(job["flat_instance"]) if job.get("flat_instance") else None
+    unit_plan = planner_mod.make_plan(inst, strategy)
+    model_key = plan_key(unit_plan)
+    out = {"candidates": None, "plan": None, "reason": "model", "model_key": model_key}
+    if select == "model":
+        out["plan"] = plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan, exchange)
+        return out
+    # the flat model's plan (of the user's strategy), for the later trials' flat candidate
+    flat_plan = planner_mod.make_plan(flat_inst, strategy) if flat_inst is not None else None
+    out["flat_key"] = plan_key(flat_plan) if flat_plan is not None else None
+    kept = job["kept"]
+    if kept is None:  # a full trial: the first plan, a new layout
+        candidates = plan_selection.model_candidates(inst, strategy, unit_plan,
+                                                     exchange=exchange, flat_inst=flat_inst)
+        if len(candidates) > 1:
+            out["candidates"] = candidates
+        else:
+            out["plan"] = candidates[0]
+        return out
+    out["reason"] = "kept"
+    previous = job["model_key"]
+    model_changed = model_key != (tuple(map(tuple, previous[0])), tuple(previous[1]))
+    # topology="auto" resolved two-level: the flat model's plan is watched as well
+    previous_flat = job.get("flat_model_key")
+    flat_changed = flat_plan is not None and (
+        previous_flat is None
+        or out["flat_key"] != (tuple(map(tuple, previous_flat[0])), tuple(previous_flat[1])))
+    if not model_changed and not flat_changed:
+        return out  # the model's inputs led to the plans the last trial started from
+    groups = tuple(tuple(g) for g in kept["groups"])
+    kept_exchange = kept.get("exchange") or exchange
+    # a kept flat winner is priced on the flat instance
+    kept_inst = flat_inst if kept_exchange == "flat" and flat_inst is not None else inst
+    dense = tuple(kept["dense"]) if kept_inst.dense is not None else (False,) * len(groups)
+    pool = [plan_selection.Candidate.from_plan(f"kept:{kept['name']}",
+                                               planner_mod.evaluate(kept_inst, groups, dense),
+                                               kept_exchange)]
+    if model_changed:  # (an unchanged model plan lost to the kept one, or is it)
+        pool.insert(0, plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan,
+                                                          exchange))
+    best = min(c.predicted_s for c in pool)
+    if flat_plan is not None and (flat_plan.predicted_iteration_s
+                                  <= plan_selection.PRUNE_FACTOR * best):
+        # last: the first to go when the budget is short; pruned as in a full trial
+        pool.append(plan_selection.Candidate.from_plan(
+            plan_selection.FLAT_PREFIX + flat_plan.strategy, flat_plan, "flat"))
+    candidates = plan_selection.dedupe(pool)  # (the flat one goes when it is the kept plan)
+    room = job.get("retrial_room")
+    while room is not None and len(candidates) > 2 and (
+            plan_selection.trial_steps_bound(len(candidates)) > room):
+        candidates.pop()
+    if len(candidates) > 1 and job["retrial_ok"]:
+        out["candidates"] = candidates
+    return out  # over the trial budget, or nothing new: the measured winner stays
+
+
+def plan_key(plan):
+    """A plan's (groups, dense flags) as tuples: what the later trials compare."""
+    return (tuple(map(tuple, plan.groups)), tuple(bool(d) for d in plan.dense))
