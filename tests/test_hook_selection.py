@@ -469,14 +469,11 @@ def test_plans_computed_in_the_worker_process_go_into_use_on_every_rank_alike():
     switch's checksum all-gather would raise otherwise). That the process computes what
     the thread would is tested on the job itself (test_background_planner.py)."""
     isolated = run_ranks("test_hook_selection", "isolated_selection_worker", world_size=2,
-                         steps=30, isolate_units=1)
+                         steps=20, isolate_units=1)
     assert all(r["in_process"] for r in isolated)
     assert isolated[0]["replans"] >= 1
     assert isolated[0]["history"] == isolated[1]["history"]
     assert len(isolated[0]["history"]) >= 3  # the first plan and the trial's candidates
-    threaded = run_ranks("test_hook_selection", "isolated_selection_worker", world_size=2,
-                         steps=8, isolate_units=10 ** 9)
-    assert not any(r["in_process"] for r in threaded)  # small instances stay on the thread
 
 
 def test_planner_processes_only_where_the_host_has_cores_to_spare(monkeypatch):

@@ -150,7 +150,10 @@ class InstanceError(ValueError):
 def _number(value, field: str, *, positive: bool = False) -> float:
     """A finite, non-negative (or strictly positive) real number; bools are rejected."""
     # bool is an Integral in Python; `true` in JSON is never a meaningful time or rate.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    # (exact float and int first: the ABC check costs microseconds, and the hook builds
+    # instances of a thousand units on the training thread)
+    if type(value) is not float and type(value) is not int and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise InstanceError(field, f"must be a number, got {_describe(value)}")
     value = float(value)
     if not math.isfinite(value):
@@ -163,6 +166,8 @@ def _number(value, field: str, *, positive: bool = False) -> float:
 
 
 def _positive_int(value, field: str) -> int:
+    if type(value) is int and value > 0:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise InstanceError(field, f"must be a positive integer, got {_describe(value)}")
     return int(value)

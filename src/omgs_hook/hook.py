@@ -58,6 +58,7 @@ import statistics
 import time
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -852,7 +853,11 @@ class OMGSState:
     # ------------------------------------------------------------ cross-rank agreement
     def _gather_rows(self, values, dtype=torch.float64):
         """All-gather one row of numbers per rank (blocking, from the hook only)."""
-        row = torch.tensor(values, dtype=dtype, device=self._device)
+        if isinstance(values, np.ndarray):
+            row = torch.from_numpy(values.astype(np.float64 if dtype == torch.float64
+                                                 else np.float32)).to(self._device)
+        else:
+            row = torch.tensor(values, dtype=dtype, device=self._device)
         out = torch.empty(self.world_size * row.numel(), dtype=dtype, device=self._device)
         communicator.all_gather_flat(out, row, group=self.process_group)
         return out.view(self.world_size, row.numel()).cpu()
@@ -1096,7 +1101,7 @@ class OMGSState:
         self._layout_streak = (layout, streak + 1 if previous == layout else 1)
         self.step += 1
         if (self.step == 1 and len(layout) >= ISOLATE_UNITS and self._pinned is None
-                and planner_has_a_core(self.world_size)):
+                and not self._planner.closed and planner_has_a_core(self.world_size)):
             # its plans will be computed in the planner's worker process: start it now,
             # so that its start-up does not delay the first plan
             self._planner.start_process()
@@ -1322,9 +1327,10 @@ class OMGSState:
             local += meter.table() if self.measured_comm else meter.empty_table()
         # one all-gather for the planning row and the per-step timelines (every gather on
         # the autograd thread waits for the slowest rank: fewer is a shorter stall)
-        gathered = self._gather_rows(local + self._timeline_table(layout))
+        gathered = self._gather_rows(np.concatenate((np.asarray(local, dtype=np.float64),
+                                                     self._timeline_table(layout))))
         rows, tables = gathered[:, :len(local)], gathered[:, len(local):]
-        mean = [float(x) for x in rows.mean(dim=0)]  # same order on every rank: identical
+        mean = rows.mean(dim=0).tolist()  # same order on every rank: identical
         n = len(layout)
 
         def agreed_pair(index):
@@ -1355,7 +1361,7 @@ class OMGSState:
             comm = LinearCost(alpha_s=comm.alpha_s + wb_group,
                               beta_s_per_byte=comm.beta_s_per_byte + per_byte)
         # (a bucket of zero-element parameters costs nothing; the model's units are >= 1)
-        numels = [max(1, sum(math.prod(self._shapes[k]) for k in bucket)) for bucket in layout]
+        numels = self._layout_numels(layout)
         dense = self.profile.dense if self.allow_dense else None
         two_level = self._two_level_costs()
         scales = {"sparse": None, "dense": None}
@@ -1508,25 +1514,36 @@ class OMGSState:
             return None
         return topo.ranks_per_node, hierarchy.intra, hierarchy.inter, hierarchy.inter_dense
 
+    def _layout_numels(self, layout):
+        """Elements per bucket of ``layout`` (at least 1: the model prices an empty bucket
+        as one element), cached for the last layout."""
+        cached = getattr(self, "_numels_of", None)
+        if cached is None or cached[0] != layout:
+            cached = self._numels_of = (layout, [
+                max(1, sum(math.prod(self._shapes[k]) for k in bucket)) for bucket in layout])
+        return cached[1]
+
     def _timeline_table(self, layout):
         """This rank's per-step timelines for ``layout`` as a flat fixed-size row (a
         window of ``[step, tail, forward, backward per bucket]``, -1 where empty)."""
         width = len(layout) + 2
         own = self.meter.timelines() if self.meter.layout == layout else []
-        table = torch.full((self.meter.window, width + 1), -1.0, dtype=torch.float64)
+        # numpy rows, no Python float per element: with 1000 buckets the window is 32k
+        # numbers, and this runs on the autograd thread
+        table = np.full((self.meter.window, width + 1), -1.0, dtype=np.float64)
         for i, (step, row) in enumerate(own[-self.meter.window:]):
             if len(row) == width:
                 table[i, 0] = step
-                table[i, 1:] = torch.tensor(row, dtype=torch.float64)
-        return table.view(-1).tolist()
+                table[i, 1:] = row
+        return table.reshape(-1)
 
     def _slowest_rank_timeline(self, tables, layout):
         """``[tail, forward, backward per bucket]`` of the slowest rank per step, or None
         (see :func:`~omgs_hook.measurements.slowest_rank_timeline`), from every rank's
         gathered :meth:`_timeline_table`."""
         width = len(layout) + 2
-        gathered = tables.reshape(self.world_size, self.meter.window, width + 1)
-        per_rank = [[(int(r[0]), r[1:].tolist()) for r in rank_rows if r[0] >= 0]
+        gathered = tables.reshape(self.world_size, self.meter.window, width + 1).numpy()
+        per_rank = [[(int(r[0]), r[1:]) for r in rank_rows[rank_rows[:, 0] >= 0]]
                     for rank_rows in gathered]
         return slowest_rank_timeline(per_rank)
 
