@@ -391,8 +391,14 @@ def test_gradients_match_reference_and_conserve(case):
         assert all(floor <= s <= floor + 6 for s in selected[4:]), selected
     if case == "optimal-measured":
         history = stats["plan_history"]
-        # planned at the end of step 1 (the warm-up), in use from step 3 on every rank
-        assert history[0]["reason"] == "trial" and history[0]["step"] == 3, history
+        # planned at the end of step 1 (the warm-up), in use from step 3 on every rank.
+        # That first plan is made for DDP's first layout, one bucket: its candidates are
+        # the sparse and the dense group, and whether the dense one is tried or pruned
+        # (predicted over PRUNE_FACTOR times the sparse one) depends on how long the
+        # first collectives took - timing, not the algorithm. After the rebuild (6
+        # buckets) a trial runs.
+        assert history[0]["reason"] in ("trial", "model") and history[0]["step"] == 3, history
+        assert any(h["reason"] == "trial" for h in history), history
         assert history == results[1]["stats"]["plan_history"]
     if case == "optimal-replanning":
         assert results[0]["replans"] >= 2
