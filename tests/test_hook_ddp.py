@@ -194,6 +194,17 @@ def train_steps(ddp, opt, start, stop, rank):
         opt.step()
 
 
+def _train_planner_settled(ddp, opt, state, start, stop, rank):
+    """train_steps, waiting after each step until a pending re-plan is computed: the plan
+    then switches at its agreed step, not later because the planner thread was slow on a
+    loaded host (which step a late plan switches at is timing, and would make two runs
+    differ for reasons other than the checkpoint)."""
+    for step in range(start, stop):
+        train_steps(ddp, opt, step, step + 1, rank)
+        while state._planner.pending and not state._planner.ready:
+            time.sleep(0.005)
+
+
 def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second):
     def build():
         torch.manual_seed(0)
@@ -204,10 +215,10 @@ def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second):
         return model, ddp, state, opt
 
     model, ddp, state, opt = build()
-    train_steps(ddp, opt, 0, first, rank)
+    _train_planner_settled(ddp, opt, state, 0, first, rank)
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
-    train_steps(ddp, opt, first, first + second, rank)
+    _train_planner_settled(ddp, opt, state, first, first + second, rank)
     uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan_used = state.stats()["plan"]
     replans = state.stats()["total"]["replans"]
@@ -221,7 +232,7 @@ def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second):
     opt.load_state_dict(ckpt["opt"])
     state.load_state_dict(ckpt["hook"])
     residual_norm_loaded = state.memory.total_norm()
-    train_steps(ddp, opt, first, first + second, rank)
+    _train_planner_settled(ddp, opt, state, first, first + second, rank)
     resumed = {n: p.detach().clone() for n, p in model.named_parameters()}
     del ddp, state
     gc.collect()
