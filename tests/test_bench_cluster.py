@@ -200,6 +200,8 @@ def test_ratio_targets_are_judged_against_the_a_a_difference():
     v = bench.ratio_verdict
     # without a control: plain met / missed at the target
     assert v(0.98, 0.98) == "met" and v(0.979, 0.98) == "**missed**"
+    # "ahead of PowerSGD" is strict: level is not ahead
+    assert v(1.0, 1.0, strict=True) == "**missed**" and v(1.001, 1.0, strict=True) == "met"
     # with an A/A difference of 5%: only a margin larger than it decides, either way
     assert v(0.98 * 1.05, 0.98, 0.05) == "met"
     assert v(0.98 * 1.049, 0.98, 0.05) == bench.WITHIN_NOISE

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import omgs_hook
 from omgs_hook import plan_selection
 from ddp_harness import run_ranks
-from test_hook_ddp import DENSITY, Net, batch, loss_fn, train_steps
+from test_hook_ddp import DENSITY, Net, _train_planner_settled, batch, loss_fn, train_steps
 
 pytestmark = pytest.mark.multiprocess
 
@@ -439,19 +439,14 @@ def test_a_pinned_plan_keeps_its_exchange_or_is_refused_clearly():
 
 def isolated_selection_worker(rank, world_size, steps, isolate_units):
     """selection_worker with planning jobs isolated from ``isolate_units`` units on."""
-    import time
-
     from omgs_hook import hook as hook_mod
 
     hook_mod.ISOLATE_UNITS = isolate_units
     hook_mod.planner_has_a_core = lambda world_size: True  # (2 ranks on 2 cores: none)
     model, ddp, state, opt = build(rank, replan_every=6)
-    for step in range(steps):
-        train_steps(ddp, opt, step, step + 1, rank)
-        # a job is put in use at the first step every rank's planner is done: wait for it
-        # here, so that a process's start-up does not move the switch to a later step
-        while state._planner.pending and not state._planner.ready:
-            time.sleep(0.005)
+    # a job is put in use at the first step every rank's planner is done: waiting for it
+    # after each step keeps a process's start-up from moving the switch to a later step
+    _train_planner_settled(ddp, opt, state, 0, steps, rank)
     stats = state.stats()
     process = state._planner._process
     in_process = process is not None and process.alive

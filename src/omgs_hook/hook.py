@@ -100,21 +100,6 @@ PLAN_LAG = 2
 # training, which costs more than the shared lock (planner_has_a_core).
 ISOLATE_UNITS = 100
 REPLAN_STALL_BUDGET_S = 0.02
-
-
-def planner_has_a_core(world_size):
-    """Whether this host has a core for each local rank's planner process besides the
-    ranks' own threads: usable cores - local ranks * torch threads >= local ranks.
-    Local ranks: torchrun's ``LOCAL_WORLD_SIZE``, else (launched otherwise) the world."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # (platforms without affinity)
-        cores = os.cpu_count() or 1
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    except ValueError:
-        local = max(1, int(world_size))
-    return cores - local * torch.get_num_threads() >= local
 WORLD_SIZE_POLICIES = ("error", "reset")
 UNAPPLIED_POLICIES = ("rewind", "keep")
 # this many steps in a row whose gradient looked unapplied is not a discard pattern (a
@@ -146,6 +131,21 @@ MAX_CHECK_POSTPONES = 3
 #: state the plan's prediction is for. This check never changes the plan; it only
 #: re-predicts it from the settled steps.
 SETTLED_CHECK_STEPS = 20
+
+
+def planner_has_a_core(world_size):
+    """Whether this host has a core for each local rank's planner process besides the
+    ranks' own threads: usable cores - local ranks * torch threads >= local ranks.
+    Local ranks: torchrun's ``LOCAL_WORLD_SIZE``, else (launched otherwise) the world."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (platforms without affinity)
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    except ValueError:
+        local = max(1, int(world_size))
+    return cores - local * torch.get_num_threads() >= local
 
 
 def _check_fraction(name, value):
@@ -264,7 +264,6 @@ def _two_level_corrected(two_level, correction):
 # the planning of one re-plan lives in a torch-free module, so that it can run in the
 # planner's worker process (background_planner)
 _compute_plan = plan_job.compute_plan
-_plan_key = plan_job.plan_key
 
 
 def _check_plan_keys(plan, shapes):
@@ -626,6 +625,7 @@ class OMGSState:
         self._planner = BackgroundPlanner()
         self._plan_job = None  # the inputs of the plan being computed (plain values)
         self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
+        self._numels_of = None  # (layout, elements per bucket); see _layout_numels
         self._coarse_warned = False
         self._two_level_warned = False
         self._last = None
@@ -853,11 +853,8 @@ class OMGSState:
     # ------------------------------------------------------------ cross-rank agreement
     def _gather_rows(self, values, dtype=torch.float64):
         """All-gather one row of numbers per rank (blocking, from the hook only)."""
-        if isinstance(values, np.ndarray):
-            row = torch.from_numpy(values.astype(np.float64 if dtype == torch.float64
-                                                 else np.float32)).to(self._device)
-        else:
-            row = torch.tensor(values, dtype=dtype, device=self._device)
+        # (a list, or a numpy array: the planning row, read without a Python float each)
+        row = torch.as_tensor(values, dtype=dtype, device=self._device)
         out = torch.empty(self.world_size * row.numel(), dtype=dtype, device=self._device)
         communicator.all_gather_flat(out, row, group=self.process_group)
         return out.view(self.world_size, row.numel()).cpu()
@@ -1517,7 +1514,7 @@ class OMGSState:
     def _layout_numels(self, layout):
         """Elements per bucket of ``layout`` (at least 1: the model prices an empty bucket
         as one element), cached for the last layout."""
-        cached = getattr(self, "_numels_of", None)
+        cached = self._numels_of
         if cached is None or cached[0] != layout:
             cached = self._numels_of = (layout, [
                 max(1, sum(math.prod(self._shapes[k]) for k in bucket)) for bucket in layout])

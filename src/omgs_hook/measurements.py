@@ -343,8 +343,9 @@ def slowest_rank_timeline(per_rank):
     for rows in per_rank:
         by_step = dict(rows)
         aligned.append([by_step[step] for step in sorted(common)])
-    # rows may be lists or numpy arrays (the hook's gathered table): one array either way
-    cumulative = torch.from_numpy(np.asarray(aligned, dtype=np.float64)).cumsum(dim=2)  # rank, step, part
+    # rows may be lists or numpy arrays (the hook's gathered table): one array either way;
+    # dimensions rank, step, part
+    cumulative = torch.from_numpy(np.asarray(aligned, dtype=np.float64)).cumsum(dim=2)
     slowest = cumulative.max(dim=0).values
     median = torch.quantile(slowest, 0.5, dim=0)  # order statistics keep it non-decreasing
     parts = torch.diff(median, prepend=median.new_zeros(1)).clamp(min=0.0)
