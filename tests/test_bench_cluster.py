@@ -178,6 +178,14 @@ def test_render_reports_the_defaults_targets_and_errors_per_strategy():
            "bold): model (2 groups, 1 dense) 400/610, **single (1 groups) 450/500**." in text
 
 
+def test_quick_runs_on_a_faster_link_unless_a_rate_is_given():
+    # the smoke run's dense warm-up steps would take most of its time at 20 Mbit/s
+    assert bench.parse_args(["--quick"]).rate == {("resnet20", 2): bench.QUICK_RATE}
+    assert bench.parse_args([]).rate == {}
+    given = bench.parse_args(["--quick", "--rate", "resnet20:2=20mbit"]).rate
+    assert given == {("resnet20", 2): "20mbit"}
+
+
 def test_the_a_a_control_is_on_request_and_reported_as_the_noise_floor():
     # not run unless asked for: the default hooks leave it out, --hooks can name it
     assert "topk_again" not in bench.parse_args([]).hooks

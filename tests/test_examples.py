@@ -137,6 +137,26 @@ def test_digits_upsampled_and_rgb(digits8):
     assert torch.equal(big.train_targets, digits8.train_targets)
 
 
+def test_digits_are_read_without_importing_sklearn_and_equal_its_loader():
+    """The data file is parsed as scikit-learn parses it (every rank of every launch
+    saved its import); the arrays are scikit-learn's own, bit for bit."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from omgs_hook.examples import data; d = data.digits(); "
+             "assert d.num_train + d.num_test == 1797; print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    from sklearn.datasets import load_digits
+
+    images, target = D._digits_arrays()
+    bunch = load_digits()
+    assert images.dtype == bunch.images.dtype and (images == bunch.images).all()
+    assert (target == bunch.target).all() and target.dtype == bunch.target.dtype
+
+
 @pytest.mark.parametrize("kwargs,field", [
     ({"image_size": 2}, "image_size"), ({"channels": 2}, "channels"),
     ({"test_fraction": 1.0}, "test_fraction"), ({"image_size": 8.5}, "image_size"),
