@@ -598,6 +598,16 @@ class OMGSState:
         # exchange's), and a two-level run's two-level steps by link class
         self._comm_times = CommTimeMeter()
         self._two_level_times = CommTimeMeter(kinds=3)
+        # finished steps whose measurements (collective times, per-group work) are not
+        # fed to the meters yet: a step finishes on whichever thread completes its last
+        # collective, and feeding the meters there raced with the re-plan that reads
+        # them at the end of the next step's backward. They are fed on the autograd
+        # thread instead, steps before the current one only (_ingest_finished), so a
+        # re-plan at step N always sees exactly the steps before N.
+        self._finished = collections.deque()
+        # the first step this state runs times the process group's first use of its
+        # collectives (2-28x a later step's on gloo): never a sample of the network
+        self._collectives_warm = False
         # the plan in use against reality: this rank's (step, seconds) bucket-0 to bucket-0,
         # the step at which the plan in use is re-evaluated with its own steps' times, and
         # the result of that (stats()["model_check"])
@@ -1092,6 +1102,7 @@ class OMGSState:
             exchange.send_group(leftover, dense=False)
 
     def _end_step(self, exchange):
+        self._ingest_finished(before_step=exchange.step_number)
         layout = tuple(exchange.layout)
         self.meter.end_step(layout, step=self.step)
         previous, streak = self._layout_streak
@@ -1801,18 +1812,15 @@ class OMGSState:
         if exchange.error is not None:
             return
         self.meter.step_finished(exchange.finish_wall)
+        # its measurements, fed to the meters by _ingest_finished; by the exchange the
+        # step ran: a two-level run's flat steps (a flat trial candidate or winner)
+        # measure the flat candidates' model
+        flat = exchange.subgroups is None
+        sums = None
         if self.measured_comm and self._on_host():
-            # by the exchange the step ran: a two-level run's flat steps (a flat trial
-            # candidate or winner) measure the flat candidates' model
-            if exchange.subgroups is None:
-                self._comm_times.add(comm_sums(exchange.records))
-            else:
-                self._two_level_times.add(two_level_comm_sums(exchange.records))
-        if exchange.density == self.density:  # not in the density warm-up: plans are for this
-            for sample in exchange.overhead_samples:
-                self.overhead.add(*sample)
-            for numel, seconds in exchange.writeback_samples:
-                self.writeback.add(numel, seconds, 0.0)
+            sums = comm_sums(exchange.records) if flat else two_level_comm_sums(exchange.records)
+        self._finished.append((exchange.step_number, flat, sums, exchange.density,
+                               exchange.overhead_samples, exchange.writeback_samples))
         records = exchange.records
         numel = sum(r.numel for r in records)
         selected = sum(r.selected for r in records)
@@ -1863,6 +1871,27 @@ class OMGSState:
                 t["sparse_group_selected"] += r.selected
         if self.log_every and step_number % self.log_every == 0:
             logger.info("omgs_hook: %s", self.summary_line(step_number))
+
+    def _ingest_finished(self, before_step=None):
+        """Feed the measurements of the finished steps numbered below ``before_step``
+        (all finished ones when None) to the meters the planner reads: the collectives'
+        times (``measured_comm``) and the per-group work on the host. Called on the
+        autograd thread at the end of each step's backward, before a re-plan reads the
+        meters, and by :meth:`state_dict`. Steps finish in order: DDP waits for a step's
+        collectives before the next step's backward ends."""
+        finished = self._finished
+        while finished and (before_step is None or finished[0][0] < before_step):
+            _, flat, sums, density, overhead_samples, writeback_samples = finished.popleft()
+            if sums is not None:
+                if not self._collectives_warm:
+                    self._collectives_warm = True  # the process group's first use
+                else:
+                    (self._comm_times if flat else self._two_level_times).add(sums)
+            if density == self.density:  # not in the density warm-up: plans are for this
+                for sample in overhead_samples:
+                    self.overhead.add(*sample)
+                for numel, seconds in writeback_samples:
+                    self.writeback.add(numel, seconds, 0.0)
 
     def _last_with_hook_time(self):
         if not self._last:
@@ -2125,6 +2154,9 @@ class OMGSState:
         they were before the last step while that step's gradient is neither applied
         nor known to be dropped (``on_unapplied``), so that a resumed run can rewind it.
         """
+        # the finished steps' measurements, which the next step would have fed to the
+        # meters before its re-plan: the resumed run's meters start where this one's are
+        self._ingest_finished()
         return {
             "format_version": STATE_FORMAT_VERSION,
             "step": self.step,
@@ -2270,6 +2302,7 @@ class OMGSState:
         self._correction = (plan_selection.Correction.from_dict(sd["correction"])
                             if sd.get("correction") else None)
         self._plan_history = [dict(e) for e in sd.get("plan_history") or []]
+        self._finished.clear()  # this run's steps before the load measure nothing of it
         self._comm_times.load_state_dict(sd.get("comm_times"))
         self._two_level_times.load_state_dict(sd.get("two_level_comm_times"))
         key = sd.get("flat_model_key")
