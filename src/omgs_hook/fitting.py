@@ -54,6 +54,31 @@ import numpy as np
 
 from omgs_hook.cost_model import LinearCost, TopkCost
 
+
+def median(values, axis=None):
+    """The median (of each column with ``axis=0``) exactly as ``statistics.median`` and
+    ``np.median`` compute it: the middle value, or ``(a + b) / 2`` of the two middle ones.
+
+    ``np.median`` imports ``numpy.ma`` at its first call (about 0.2 s of CPU), which in
+    the hook lands on the training thread at the first re-plan; a sort does not."""
+    if axis not in (None, 0):
+        raise ValueError(f"median: axis must be None or 0, got {axis!r}")
+    ordered = np.sort(np.asarray(values, dtype=np.float64), axis=axis)
+    n = ordered.shape[0]
+    if n == 0:
+        raise ValueError("median of no values")
+    middle = n // 2
+    return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+
+def _distinct(values):
+    """How many distinct values ``values`` (1-D) holds: ``np.unique(values).size``
+    without ``np.unique``, which imports ``numpy.ma`` at its first call (see
+    :func:`median`)."""
+    ordered = np.sort(np.asarray(values).ravel())
+    return int(ordered.size and 1 + np.count_nonzero(ordered[1:] != ordered[:-1]))
+
 # Enumerating supports costs 2**n least-squares solves: fine for the 2-3 coefficients
 # used here, pointless beyond this.
 _MAX_NNLS_COLUMNS = 12
@@ -198,7 +223,7 @@ def _relative_fit(design, t, robust=False):
         for _ in range(_HUBER_ITERATIONS):
             residuals = weighted @ coefficients - ones
             scale = max(HUBER_MIN_SCALE,
-                        1.4826 * float(np.median(np.abs(residuals - np.median(residuals)))))
+                        1.4826 * float(median(np.abs(residuals - median(residuals)))))
             limit = HUBER_K * scale
             magnitude = np.abs(residuals)
             weights = np.where(magnitude <= limit, 1.0, limit / np.maximum(magnitude, 1e-300))
@@ -226,7 +251,7 @@ def fit_linear_relative(nbytes, seconds, robust=False):
     cost). Returns a :class:`LinearFit` with each point's relative error.
     """
     x, t = _as_samples("nbytes", nbytes, "seconds", seconds)
-    if np.unique(x).size < 2:
+    if _distinct(x) < 2:
         raise ValueError("nbytes: need at least 2 distinct message sizes to fit alpha and beta")
     design = np.column_stack([np.ones_like(x), x])
     (alpha, beta), rel_errors = _relative_fit(design, t, robust)
@@ -267,7 +292,7 @@ def fit_topk(numel, seconds, log_term="auto", robust=False):
     d, t = _as_samples("numel", numel, "seconds", seconds)
     if np.any(d < 1):
         raise ValueError("numel: every size must be >= 1")
-    if np.unique(d).size < 3:
+    if _distinct(d) < 3:
         raise ValueError("numel: need at least 3 distinct sizes to fit c0, c1 and c2")
     full_design = np.column_stack([np.ones_like(d), d, d * np.log2(d)])
     if log_term is True:
@@ -358,7 +383,7 @@ class OnlineLinearFitter:
         by_size = {}
         for nbytes, seconds in self._samples:
             by_size.setdefault(nbytes, []).append(seconds)
-        return {size: float(np.median(times)) for size, times in sorted(by_size.items())}
+        return {size: float(median(times)) for size, times in sorted(by_size.items())}
 
     def fit(self):
         """Return the refitted ``LinearCost``, or ``None`` while the window cannot support a fit."""

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from .fitting import fit_linear_relative
+from .fitting import fit_linear_relative, median
 
 
 class CpuClock:
@@ -262,9 +262,9 @@ class BackwardMeter:
         samples = self._fresh(self._samples, self._sample_steps)
         if not samples:
             return []
-        # numpy's median of each column equals statistics.median's (the middle value, or
-        # the mean of the two middle ones), without a Python loop over 1000 buckets
-        return np.median(np.asarray(samples, dtype=np.float64), axis=0).tolist()
+        # each column's median equals statistics.median's (the middle value, or the mean
+        # of the two middle ones), without a Python loop over 1000 buckets
+        return median(samples, axis=0).tolist()
 
     def forward_s(self):
         forward = self._fresh(self._forward, self._forward_steps)
