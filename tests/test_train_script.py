@@ -150,6 +150,19 @@ def test_omgs_based_hooks_map_to_planner_strategies(train_script, monkeypatch):
 
 
 
+def test_what_was_built_is_frozen_out_of_full_gc_passes_unless_asked_not_to(train_script):
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    try:
+        train_script.freeze_what_was_built(train_script.parse_args(["--no-gc-freeze"]))
+        assert gc.get_freeze_count() == 0
+        train_script.freeze_what_was_built(train_script.parse_args([]))
+        assert gc.get_freeze_count() > 1000  # torch's modules at least
+    finally:
+        gc.unfreeze()
+
+
 def test_unset_hook_options_are_left_to_the_library(train_script):
     options = train_script.hook_options(train_script.parse_args(["--hook", "omgs"]))
     assert not {"allow_dense", "select", "plan"} & set(options)
