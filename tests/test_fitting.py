@@ -380,8 +380,8 @@ def test_median_equals_statistics_median_for_values_and_columns():
 
 
 def test_the_hooks_medians_do_not_import_numpy_ma():
-    # np.median imports numpy.ma at its first call, about 0.2 s of CPU: in the hook that
-    # landed on the training thread at the first re-plan
+    # np.median imports numpy.ma at its first call (about 8 ms, more where it sets off a
+    # full GC pass): in the hook that landed on the training thread at the first re-plan
     import subprocess
     import sys
 

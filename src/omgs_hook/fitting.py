@@ -59,8 +59,9 @@ def median(values, axis=None):
     """The median (of each column with ``axis=0``) exactly as ``statistics.median`` and
     ``np.median`` compute it: the middle value, or ``(a + b) / 2`` of the two middle ones.
 
-    ``np.median`` imports ``numpy.ma`` at its first call (about 0.2 s of CPU), which in
-    the hook lands on the training thread at the first re-plan; a sort does not."""
+    ``np.median`` imports ``numpy.ma`` at its first call (about 8 ms of CPU, and its
+    allocations can set off one of Python's full GC passes), which in the hook lands on
+    the training thread at the first re-plan; a sort does not."""
     if axis not in (None, 0):
         raise ValueError(f"median: axis must be None or 0, got {axis!r}")
     ordered = np.sort(np.asarray(values, dtype=np.float64), axis=axis)
