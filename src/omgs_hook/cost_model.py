@@ -175,6 +175,8 @@ def _positive_int(value, field: str) -> int:
 
 def _list_like(value) -> bool:
     """A sized iterable that is not text or a mapping (lists, tuples, numpy arrays)."""
+    if type(value) is list or type(value) is tuple:  # the common case, checked per group
+        return True
     return (
         not isinstance(value, (str, bytes, dict))
         and hasattr(value, "__len__")
