@@ -385,7 +385,9 @@ class OMGSState:
             they share the cores (gloo) with backward, and the network may have changed.
             Per rank the factor is the median over those steps of each step's measured
             over modelled time, then the least over ranks (a rank that waits for a
-            straggler measures the wait too); identical on every rank.
+            straggler measures the wait too); identical on every rank. A re-plan at
+            step N reads steps before N only, and never the first step this state ran
+            (the process group's first use).
             ``stats()["planned_with"]["comm_scale"]``. With the two-level exchange each
             link class has its own factor, from the same per-step ratio, per-rank median
             and least over ranks, over the last 16 two-level steps: ``intra`` from the
