@@ -292,3 +292,30 @@ def test_simulate_rejects_bad_dense_flags():
 
 def test_check_groups_normalises_to_tuples():
     assert check_groups([[0, 1], (2,)], 3) == ((0, 1), (2,))
+
+
+def test_units_of_equals_the_constructor_and_names_bad_values_the_same_way():
+    from dataclasses import FrozenInstanceError
+
+    import numpy as np
+
+    from omgs_hook.cost_model import units_of
+
+    numels, times = [4, 1, 1000], [1e-5, 0.0, 3]
+    built = units_of(numels, times)
+    assert built == tuple(Unit(numel=n, backward_s=b) for n, b in zip(numels, times))
+    assert all(type(u.backward_s) is float for u in built) and hash(built[0])
+    with pytest.raises(FrozenInstanceError):
+        built[0].numel = 5  # still frozen
+    for bad_numels, bad_times, field in (([4, 0], [0.0, 0.0], "numel"),
+                                         ([4, True], [0.0, 0.0], "numel"),
+                                         ([4, 4], [0.0, float("nan")], "backward_s"),
+                                         ([4, 4], [0.0, -1.0], "backward_s"),
+                                         ([4, 4], [0.0, float("inf")], "backward_s")):
+        with pytest.raises(InstanceError, match=field):
+            units_of(bad_numels, bad_times)
+    # other number types take the constructor's path, with its result
+    assert units_of(np.array([3], dtype=np.int64).tolist(), [np.float64(0.5)]) == (
+        Unit(numel=3, backward_s=0.5),)
+    with pytest.raises(ValueError, match="2 sizes for 1"):
+        units_of([1, 2], [0.0])

@@ -292,6 +292,29 @@ class Unit:
         object.__setattr__(self, "backward_s", _number(self.backward_s, prefix + "backward_s"))
 
 
+def units_of(numels, backward_s) -> Tuple[Unit, ...]:
+    """``Unit(numel, backward_s)`` for each pair, validated like the constructor.
+
+    The hook builds an instance of up to a thousand units on the training thread at
+    every re-plan: checked as two arrays, the units skip their one-by-one checks (about
+    3 us each); any bad value falls back to the constructor, whose error names it."""
+    numels, backward_s = list(numels), list(backward_s)
+    if len(numels) != len(backward_s):
+        raise ValueError(f"units_of: {len(numels)} sizes for {len(backward_s)} backward times")
+    plain = (all(type(n) is int and n > 0 for n in numels)
+             and all((type(b) is float or type(b) is int) and 0 <= b < math.inf
+                     for b in backward_s))  # (NaN fails the comparison too)
+    if not plain:
+        return tuple(Unit(numel=n, backward_s=b) for n, b in zip(numels, backward_s))
+    new = object.__new__
+    units = []
+    for n, b in zip(numels, backward_s):
+        unit = new(Unit)
+        unit.__dict__.update(numel=n, backward_s=float(b))  # (what the frozen __init__ sets)
+        units.append(unit)
+    return tuple(units)
+
+
 @dataclass(frozen=True)
 class Hierarchy:
     """Two-level topology of an instance: ``ranks_per_node`` consecutive ranks per node.

@@ -70,7 +70,7 @@ from . import planner as planner_mod
 from . import topk as topk_mod
 from . import topology as topology_mod
 from .cost_model import (Instance, InstanceError, LinearCost, TopkCost, Unit, check_groups,
-                         hierarchical_instance)
+                         hierarchical_instance, units_of)
 from .background_planner import BackgroundPlanner
 from .group_exchange import StepExchange
 from .group_plan import GroupPlan, check_exchange
@@ -1388,7 +1388,7 @@ class OMGSState:
         topk_c0 = topk.c0 + per_group
         correction = self._correction if self.select == "measured" else None
         base = Instance(
-            layers=tuple(Unit(numel=u, backward_s=b) for u, b in zip(numels, backward_s)),
+            layers=units_of(numels, backward_s),
             world_size=self.world_size,
             density=self.density,
             forward_s=forward_s,
