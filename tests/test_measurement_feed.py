@@ -6,7 +6,7 @@ meters the planner reads (the collectives' times, the per-group work) are theref
 on the autograd thread, from the steps before the current one only: a re-plan at step N
 sees exactly steps < N, whether step N's collectives happen to be done yet or not. The
 first step a state runs is never a sample of the network: it times the process group's
-first use (2-28x a later step on gloo).
+first use (2-6x a later step with 2 gloo ranks).
 """
 
 from types import SimpleNamespace

@@ -608,7 +608,7 @@ class OMGSState:
         # re-plan at step N always sees exactly the steps before N.
         self._finished = collections.deque()
         # the first step this state runs times the process group's first use of its
-        # collectives (2-28x a later step's on gloo): never a sample of the network
+        # collectives (2-6x a later step's, 2 gloo ranks): never a sample of the network
         self._collectives_warm = False
         # the plan in use against reality: this rank's (step, seconds) bucket-0 to bucket-0,
         # the step at which the plan in use is re-evaluated with its own steps' times, and
