@@ -485,3 +485,25 @@ def test_planner_processes_only_where_the_host_has_cores_to_spare(monkeypatch):
     assert hook_mod.planner_has_a_core(2) and not hook_mod.planner_has_a_core(8)
     monkeypatch.setattr(hook_mod.torch, "get_num_threads", lambda: 4)
     assert not hook_mod.planner_has_a_core(2)  # 2 ranks of 4 threads fill the 8 cores
+
+
+def test_only_large_or_slow_planning_jobs_go_to_the_worker_process(monkeypatch):
+    # (the rule of _submit_plan_job; the 2-rank test above it runs every job isolated)
+    from omgs_hook import hook as hook_mod
+
+    state = omgs_hook.OMGSState(density=DENSITY)
+    monkeypatch.setattr(hook_mod.dist, "get_world_size", lambda group=None: 2)
+    submitted = []
+    monkeypatch.setattr(state._planner, "submit",
+                        lambda fn, *args, apply_at_step, isolate: submitted.append(isolate))
+
+    def isolated(units, last_compute_s=0.0, has_a_core=True):
+        monkeypatch.setattr(hook_mod, "planner_has_a_core", lambda world_size: has_a_core)
+        state._planner.last_compute_s = last_compute_s
+        state._submit_plan_job({"instance": {"layers": [{}] * units}, "apply_at_step": 3})
+        return submitted[-1]
+
+    assert not isolated(hook_mod.ISOLATE_UNITS - 1)  # small instances stay on the thread
+    assert isolated(hook_mod.ISOLATE_UNITS)
+    assert isolated(10, last_compute_s=2 * hook_mod.REPLAN_STALL_BUDGET_S)  # after a slow job
+    assert not isolated(hook_mod.ISOLATE_UNITS, has_a_core=False)

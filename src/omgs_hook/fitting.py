@@ -72,13 +72,13 @@ def median(values, axis=None):
     return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-
 def _distinct(values):
     """How many distinct values ``values`` (1-D) holds: ``np.unique(values).size``
     without ``np.unique``, which imports ``numpy.ma`` at its first call (see
     :func:`median`)."""
     ordered = np.sort(np.asarray(values).ravel())
     return int(ordered.size and 1 + np.count_nonzero(ordered[1:] != ordered[:-1]))
+
 
 # Enumerating supports costs 2**n least-squares solves: fine for the 2-3 coefficients
 # used here, pointless beyond this.

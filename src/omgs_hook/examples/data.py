@@ -135,16 +135,16 @@ def _digits_arrays():
     import numpy as np
 
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+    if spec is None:
+        raise ImportError("the digits data set comes with scikit-learn, which is not "
+                          "installed: pip install -e '.[scripts]' (or use synthetic data)")
+    for root in spec.submodule_search_locations or []:
         path = os.path.join(root, *DIGITS_FILE)
         if os.path.isfile(path):
             with gzip.open(path, "rt", encoding="utf-8") as handle:
                 data = np.loadtxt(handle, delimiter=",")
             if data.shape == (DIGITS_COUNT, 65):
                 return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int, copy=False)
-    if spec is None:
-        raise ImportError("the digits data set comes with scikit-learn, which is not "
-                          "installed: pip install -e '.[scripts]' (or use synthetic data)")
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
