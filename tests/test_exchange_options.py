@@ -113,3 +113,38 @@ def test_staleness_counts_steps_since_each_element_was_sent():
     assert seen == [[0, 1, 1, 1, 1, 1], [1, 0, 2, 2, 2, 2], [2, 1, 0, 3, 3, 3],
                     [3, 2, 1, 0, 4, 4]]
     assert per_key == {"a": [3, 2, 1], "b": [0, 4, 4]}
+
+
+def hint_worker(rank, world_size, steps=5):
+    from omgs_hook.residual_memory import ResidualMemory
+    from omgs_hook.topk import SampledTopkSelector, TorchTopkSelector
+
+    keys, sizes, density = ("w", "b"), (60_000, 4_000), 0.002
+    runs = {"sampled": (ResidualMemory(), SampledTopkSelector()),
+            "torch": (ResidualMemory(), TorchTopkSelector())}
+    written = {name: [] for name in runs}
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        for name, (memory, selector) in runs.items():
+            _, bucket = _run_step(memory, selector, 1, density, keys, [g.clone() for g in grads])
+            written[name].append(bucket.buffer().clone())
+    residuals = [{k: v.clone() for k, v in memory.state_dict().items()}
+                 for memory, _ in runs.values()]
+    return written, residuals, runs["sampled"][1].stats()
+
+
+@pytest.mark.timeout(60)
+def test_the_exchange_names_its_group_so_the_selector_reuses_its_threshold():
+    """Step after step the same group is the same ``hint_key``: every sparse pass after
+    the first starts from the previous threshold, and the exchange's write-back and
+    residuals equal those of the torch selector, bit for bit."""
+    (written, residuals, stats), = run_ranks("test_exchange_options", "hint_worker",
+                                             world_size=1, timeout=50)
+    for mine, theirs in zip(written["sampled"], written["torch"]):
+        assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32))
+    assert residuals[0].keys() == residuals[1].keys()
+    for key in residuals[0]:
+        assert torch.equal(residuals[0][key].view(torch.int32),
+                           residuals[1][key].view(torch.int32))
+    assert stats["sampled_calls"] == 5 and stats["hinted_calls"] == 4

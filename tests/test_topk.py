@@ -671,3 +671,62 @@ def test_accumulate_with_fused_launches_equals_one_add_per_run(with_residual):
     out = torch.full((numel,), 7.0)
     _accumulate_into(runs[:2], residual, out, foreach=True)
     assert torch.equal(out[17:], torch.full((numel - 17,), 7.0))
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "nonfinite", "multi-run"])
+def test_a_group_hint_changes_the_speed_never_the_result(case):
+    """The fused pass's threshold from the group's previous call (``hint_key``): call
+    after call on changing sums - steady, a top that falls by 15% or 10x (the hint passes fewer
+    than k: a miss, then the sampled path), one that rises 10x (many candidates), NaN
+    and ties - the values, indices, sums and cleared runs equal the unhinted selector's
+    bit for bit."""
+    numel, k = 200_000, 200
+    cuts = [70_001, 150_000] if case == "multi-run" else []
+    gen = torch.Generator().manual_seed(len(case))
+    hinted, plain = SampledTopkSelector(), SampledTopkSelector()
+    residual = torch.randn(numel, generator=gen) * 0.1
+    for scale in (1.0, 1.0, 1.05, 0.85, 1.0, 0.1, 0.1, 10.0, 1.0):
+        grad = torch.randn(numel, generator=gen) * scale
+        if case == "ties":
+            grad = torch.randint(-3, 4, (numel,), generator=gen).float() * scale
+        if case == "nonfinite" and scale == 0.1:
+            grad[12_345] = float("nan")
+        results = []
+        for selector, key in ((hinted, ("group", numel)), (plain, None)):
+            runs = _runs_of(grad, cuts, torch.float32)
+            out = torch.empty(numel)
+            values, indices = selector.accumulate_select(runs, residual, out, k,
+                                                         clear_runs=True, hint_key=key)
+            assert all(not bool(g.any()) for _, _, g in runs)
+            results.append((values.view(torch.int32), indices, out.view(torch.int32)))
+        for mine, theirs in zip(*results):
+            assert torch.equal(mine, theirs)
+    stats = hinted.stats()
+    assert stats["hinted_calls"] >= 4 and stats["hint_misses"] >= 1
+    assert plain.stats()["hinted_calls"] == 0
+
+
+def test_a_hint_is_kept_per_group_and_k():
+    """A hint is used only by the same key with the same k; a hint from a NaN-topped
+    call is not kept."""
+    numel = 100_000
+    gen = torch.Generator().manual_seed(3)
+    selector = SampledTopkSelector()
+
+    def call(key, k, grad=None):
+        grad = torch.randn(numel, generator=gen) if grad is None else grad
+        selector.accumulate_select([(0, numel, grad)], None, torch.empty(numel), k,
+                                   hint_key=key)
+        return selector.stats()["hinted_calls"]
+
+    assert call("a", 100) == 0
+    assert call("a", 100) == 1
+    assert call("b", 100) == 1  # another group
+    assert call("a", 101) == 1  # another k (a density warm-up step)
+    assert call("a", 100) == 2
+    nans = torch.randn(numel, generator=gen)
+    nans[:200] = float("nan")  # the k-th largest is NaN: nothing to keep
+    call("c", 100, nans)
+    before = selector.stats()["hinted_calls"]
+    assert call("c", 100) == before
+    assert call(None, 100) == before  # no key, no hint

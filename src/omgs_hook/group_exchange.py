@@ -364,8 +364,9 @@ class StepExchange:
         else:  # the selector adds gradient and residual in its own pass (fused on CPU)
             selecting = started
             with _range("assemble_select", group):
-                values, indices = self.selector.accumulate_select(segments, residual, acc, k,
-                                                                  clear_runs=cleared)
+                values, indices = self.selector.accumulate_select(
+                    segments, residual, acc, k, clear_runs=cleared,
+                    hint_key=(keys[0], keys[-1], numel))
         selected = time.perf_counter()
         with _range("pack", group):
             status = torch.logical_not(torch.isfinite(values)).any()

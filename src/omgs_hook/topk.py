@@ -51,7 +51,9 @@ on the CPU.
 
 Selectors keep no state between calls that affects results. The ``sampled`` selector
 keeps scratch buffers on the CPU (reused to avoid page faults on every call), per
-thread, so one selector may be shared between threads.
+thread, so one selector may be shared between threads, and, for the fused pass of a
+group the caller names (``accumulate_select(..., hint_key=...)``), the threshold the
+group's next call starts from instead of a sample: speed only, never the result.
 """
 
 import importlib.util
@@ -109,9 +111,17 @@ def exact_topk_positions(magnitudes, k):
     ``1 <= k <= len``. Ties at the k-th largest value go to the lower positions; NaN is
     larger than everything. This is the exact core that both torch-based backends share.
     """
+    return _exact_topk(magnitudes, k)[0]
+
+
+def _exact_topk(magnitudes, k):
+    """:func:`exact_topk_positions` and the k-th largest magnitude (a Python float; NaN
+    when at least k entries are NaN; None for ``k == len``, where it is not needed)."""
     numel = magnitudes.numel()
     if k == numel:
-        return torch.arange(numel, device=magnitudes.device)
+        return torch.arange(numel, device=magnitudes.device), None
+    if magnitudes.device.type == "cpu" and magnitudes.dtype in (torch.float32, torch.float64):
+        return _exact_topk_numpy(magnitudes.numpy(), k)
     # k + 1 entries: the smallest two of them are the k-th and (k+1)-th largest values,
     # which tells whether the cut at k falls inside a run of equal magnitudes.
     top = torch.topk(magnitudes, k + 1, sorted=False)
@@ -122,8 +132,25 @@ def exact_topk_positions(magnitudes, k):
         # No tie across the cut: the selection is the k+1 entries minus the smallest one.
         positions = top.indices
         positions[lowest.indices[0]] = positions[k]
-        return _ascending(positions[:k], numel)
-    return _positions_with_ties(magnitudes, k, lowest.values[1])
+        return _ascending(positions[:k], numel), kth_value
+    return _positions_with_ties(magnitudes, k, lowest.values[1]), kth_value
+
+
+def _exact_topk_numpy(magnitudes, k):
+    """:func:`_exact_topk` in NumPy, for CPU float32/float64 (``k < len``): the same
+    positions, bit for bit. A NumPy call costs a few microseconds here against 10-20 for
+    a torch op, and the two torch top-k's plus the sort are most of a small group's
+    selection (measured in docs/topk.md)."""
+    count = magnitudes.size
+    # np.partition sorts NaN last, i.e. above every number, as the selection rule does
+    kth = magnitudes.dtype.type(np.partition(magnitudes, count - k)[count - k])
+    if np.isnan(kth):  # at least k NaNs: the k lowest-index ones
+        return torch.from_numpy(np.flatnonzero(np.isnan(magnitudes))[:k]), math.nan
+    chosen = np.logical_not(magnitudes <= kth)  # above the k-th value, NaN included
+    needed = k - int(np.count_nonzero(chosen))
+    if needed:  # the ties at the k-th value: the lowest-index ones
+        chosen[np.flatnonzero(magnitudes == kth)[:needed]] = True
+    return torch.from_numpy(np.flatnonzero(chosen)), float(kth)
 
 
 def _ascending(positions, numel):
@@ -177,7 +204,7 @@ class TopkSelector:
     def _select(self, x, k):
         raise NotImplementedError(f"{type(self).__name__} must implement _select")
 
-    def accumulate_select(self, runs, residual, out, k, clear_runs=False):
+    def accumulate_select(self, runs, residual, out, k, clear_runs=False, hint_key=None):
         """``out = gradient + residual``, then ``select(out, k)``.
 
         ``runs``: ``[(offset, length, gradient slice)]`` covering ``out`` (a 1-D float32
@@ -186,6 +213,10 @@ class TopkSelector:
         ``sampled`` CPU selector does), which only changes the speed. With
         ``clear_runs`` every gradient run is zero on return (the hook's write-back then
         need not zero it; the fused pass zeroes each chunk while it is in cache).
+        ``hint_key``: any hashable naming the group, the same every step; a backend may
+        remember something of this call under it to go faster next time (the ``sampled``
+        CPU selector: the k-th largest magnitude, as the next threshold). Never changes
+        the result.
         """
         _accumulate_into(runs, residual, out)
         if clear_runs:
@@ -275,11 +306,15 @@ class SampledTopkSelector(TopkSelector):
         self._scratch_local = threading.local()
         self._lock = threading.Lock()
         self._counts = {"calls": 0, "sampled_calls": 0, "retries": 0, "fallbacks": 0,
-                        "candidates": 0}
+                        "candidates": 0, "hinted_calls": 0, "hint_misses": 0}
+        self._hints = {}  # (hint_key, k) -> the group's last k-th largest magnitude
 
     def stats(self):
         """Counters: calls, sampled_calls (took the sampled path), retries (second
-        threshold needed), fallbacks (full top-k needed), candidates (summed count)."""
+        threshold needed), fallbacks (full top-k needed), candidates (summed count),
+        hinted_calls (fused passes whose threshold was the group's previous k-th
+        magnitude, no sample), hint_misses (of those, passes with fewer than k
+        candidates, which then took the sampled path on the finished sums)."""
         with self._lock:
             return dict(self._counts)
 
@@ -412,34 +447,43 @@ class SampledTopkSelector(TopkSelector):
         ranked = torch.topk(sample, retry_rank, sorted=True).values
         return ranked[rank - 1], ranked[retry_rank - 1]
 
-    def accumulate_select(self, runs, residual, out, k, clear_runs=False):
+    def accumulate_select(self, runs, residual, out, k, clear_runs=False, hint_key=None):
         """``out = gradient + residual`` and the exact top-k of ``out``, in one pass.
 
-        On the CPU for float32, where the sampled path applies: the threshold comes from
-        the sample positions' values of ``gradient + residual`` (read before the pass),
-        then one pass in cache-sized chunks writes each chunk of ``out``, its magnitudes
+        On the CPU for float32, where the sampled path applies: the threshold is this
+        group's k-th largest magnitude of its previous call times :data:`HINT_MARGIN`
+        when ``hint_key`` names a group seen before with the same k, else it comes from
+        the sample positions' values of ``gradient + residual`` (read before the pass).
+        Then one pass in cache-sized chunks writes each chunk of ``out``, its magnitudes
         into a small reused buffer, compares them and collects the chunk's candidate
-        positions (and, with ``clear_runs``, zeroes the gradient chunk it just read) - so
-        neither ``|out|`` nor a group-sized mask goes through memory. The rest is the
-        sampled path: at least k candidates make the exact rule on the candidates exact;
-        fewer (or a threshold of 0, or NaN/inf in the sample) fall back to the plain path
-        on the finished ``out``.
+        positions and values (and, with ``clear_runs``, zeroes the gradient chunk it just
+        read) - so neither ``|out|`` nor a group-sized mask goes through memory, and the
+        candidates are never read back from it. The rest is the sampled path: at least k
+        candidates make the exact rule on the candidates exact; fewer (or a threshold of
+        0, or NaN/inf in the sample) fall back to the plain path on the finished ``out``.
         """
         numel = out.numel()
         k = check_selection_args(out, k)
         if (out.device.type != "cpu" or out.dtype != torch.float32 or k == numel
                 or numel < self.min_numel or k > self.max_density * numel):
             return super().accumulate_select(runs, residual, out, k, clear_runs)
-        positions = self._sorted_sample_at(numel, k)
-        first, _ = self._ranked_thresholds(_sum_at(runs, residual, positions).abs_(), numel, k)
-        if not bool(first > 0) or not bool(torch.isfinite(first)):
-            return super().accumulate_select(runs, residual, out, k, clear_runs)
-        self._count(calls=1, sampled_calls=1)
-        signed, unsigned = _BIT_VIEWS[4]
-        threshold_bits = first.reshape(1).view(signed).numpy().view(unsigned)[0]
+        hint = None if hint_key is None else self._hints.get((hint_key, k))
+        if hint is not None:
+            # the previous k-th magnitude, a little lower: the sample's gather reads s
+            # random positions of two group-sized arrays, cache misses all (about 2 ms
+            # at 12M elements); this costs nothing
+            threshold_bits = np.float32(hint).view(np.uint32)
+        else:
+            positions = self._sorted_sample_at(numel, k)
+            first, _ = self._ranked_thresholds(_sum_at(runs, residual, positions).abs_(),
+                                               numel, k)
+            if not bool(first > 0) or not bool(torch.isfinite(first)):
+                return super().accumulate_select(runs, residual, out, k, clear_runs)
+            threshold_bits = first.reshape(1).view(torch.int32).numpy().view(np.uint32)[0]
+        self._count(calls=1, sampled_calls=1, hinted_calls=int(hint is not None))
         chunk = self._chunk_scratch(out.dtype)
         chunk_mask = self._chunk_scratch(torch.bool).numpy()
-        found = []  # ascending candidate positions, chunk by chunk
+        found, found_values = [], []  # ascending candidate positions and their values
         with torch.no_grad():
             for offset, length, grad in runs:
                 for start in range(0, length, FUSED_CHUNK):
@@ -455,20 +499,38 @@ class SampledTopkSelector(TopkSelector):
                     magnitudes = chunk[:stop - start]
                     torch.abs(target, out=magnitudes)
                     hits = chunk_mask[:stop - start]
-                    np.greater_equal(magnitudes.view(signed).numpy().view(unsigned),
+                    np.greater_equal(magnitudes.view(torch.int32).numpy().view(np.uint32),
                                      threshold_bits, out=hits)
                     where = np.flatnonzero(hits)
                     if where.size:
                         found.append(where + (offset + start))
-            candidates = torch.from_numpy(
-                np.concatenate(found) if found else np.empty(0, dtype=np.int64))
-            if candidates.numel() >= k:
+                        found_values.append(target.numpy()[where])  # from cache
+            if found and sum(len(f) for f in found) >= k:
+                candidates = torch.from_numpy(np.concatenate(found))
+                values = np.concatenate(found_values)
                 self._count(candidates=candidates.numel())
-                indices = candidates[exact_topk_positions(out[candidates].abs(), k)]
-                return out[indices], indices
-            self._count(retries=1)
+                magnitudes = np.abs(values)
+                chosen, kth = _exact_topk(torch.from_numpy(magnitudes), k)
+                if hint_key is not None:
+                    self._remember(hint_key, k, _next_threshold(
+                        magnitudes, k, kth, threshold_bits.view(np.float32)))
+                return torch.from_numpy(values)[chosen], candidates[chosen]
+            self._count(retries=1, hint_misses=int(hint is not None))
             indices = self._select_sampled(self._magnitudes(out), k)
-            return out[indices], indices
+            values = out[indices]
+            if hint_key is not None:  # the top fell: start lower than its new k-th value
+                self._remember(hint_key, k, HINT_AFTER_MISS * float(values.abs().min()))
+            return values, indices
+
+    def _remember(self, hint_key, k, threshold):
+        """Keep ``threshold`` as the group's next threshold (a positive finite value
+        only; else forget the group's hint, so that the next call samples)."""
+        if 0.0 < threshold < math.inf:
+            if len(self._hints) >= MAX_HINTS:  # groups of plans long gone
+                self._hints.clear()
+            self._hints[(hint_key, k)] = threshold
+        else:
+            self._hints.pop((hint_key, k), None)
 
     def _chunk_scratch(self, dtype):
         """A per-thread buffer of FUSED_CHUNK elements (stays in cache between uses)."""
@@ -504,12 +566,39 @@ class SampledTopkSelector(TopkSelector):
 # chunk's magnitudes are read back from cache, not from memory
 FUSED_CHUNK = 1 << 18
 
+# The fused pass's threshold from a group's previous call: the magnitude that would
+# have let HINT_HEADROOM * k candidates through then. Error feedback keeps the top of
+# |gradient + residual| steady from step to step; the head room between the k-th and the
+# (3k)-th magnitude absorbs its drift (a miss costs a second pass). Measured on the LSTM
+# (2 ranks, density 0.001, 137 hinted passes per rank): 2k missed 7% of the time, 3k
+# 2-4%, for 17% more candidates.
+HINT_HEADROOM = 3.0
+# After a miss (fewer than k candidates): the new k-th magnitude times this.
+HINT_AFTER_MISS = 0.8
+# Hints kept per selector at most (a group is a key; a plan change makes new groups).
+MAX_HINTS = 4096
+
 
 # Bucket runs above which a GPU accumulates with two launches - one multi-tensor copy of
 # every run, then one add over the whole group - instead of one add per run: a launch
 # costs microseconds of host time each, the extra pass over the group a few microseconds
 # per million elements at GPU bandwidth.
 FOREACH_RUNS = 8
+
+
+def _next_threshold(magnitudes, k, kth, threshold):
+    """The threshold that would have passed ``HINT_HEADROOM * k`` of this call's
+    candidate ``magnitudes`` (float32 numpy; ``kth`` the k-th largest, ``threshold`` the
+    one used). With fewer candidates than that, a little below the one used; with NaN at
+    the k-th place, none (nan: the next call samples)."""
+    if kth is None or math.isnan(kth):
+        return math.nan
+    rank = int(math.ceil(HINT_HEADROOM * k))
+    count = magnitudes.size
+    if count <= rank:
+        return float(threshold) * 0.95
+    # NaN sorts last in np.partition, i.e. among the largest: the rank stays right
+    return float(np.partition(magnitudes, count - rank)[count - rank])
 
 
 def _accumulate_into(runs, residual, out, foreach=None):
