@@ -545,6 +545,32 @@ def test_fit_correction_drops_what_it_cannot_tell_apart():
     assert fit_correction(entries(Correction(), measured=False), NUMELS) is None
 
 
+def test_fit_correction_is_not_tilted_by_one_candidate_far_off_the_line():
+    """The README job's trial (2026-12-03): five candidates 6-12 ms above the model and
+    LAGS-SGD's 9 groups 116 ms above it. Least squares made that 15 ms per sparse group
+    (with -18 ms of constant, which is not applied), pricing a 3-group plan 40 ms too
+    slow; the fit leaves the worst point out and keeps the others' line."""
+    numels = [10_000] * 9
+    plans = [([[0], [1], [2, 3], [4, 5], [6], [7, 8]], [True] * 5 + [False], 0.0117),
+             ([list(range(8)), [8]], [False, False], 0.0116),
+             ([[i] for i in range(9)], [True] * 9, 0.0103),
+             ([list(range(9))], [False], 0.0104),
+             ([[i] for i in range(9)], [False] * 9, 0.1163),
+             ([[0, 1], list(range(2, 8)), [8]], [False] * 3, 0.0057)]
+    candidates = [{"groups": g, "dense": d, "predicted_s": 0.08, "measured_s": 0.08 + extra}
+                  for g, d, extra in plans]
+    got = fit_correction(candidates, numels)
+    assert abs(got.sparse_group_s) < 0.001 and got.constant_s == pytest.approx(0.0103, abs=0.001)
+    # exact data with one point moved far off: the line of the others, exactly
+    truth = Correction(constant_s=0.004, dense_s_per_element=2e-6, sparse_group_s=0.001)
+    moved = entries(truth, plans=PLANS + [([[0], [1], [2], [3]], [False] * 4)])
+    moved[-1]["measured_s"] += 0.5
+    got = fit_correction(moved, NUMELS)
+    assert got.constant_s == pytest.approx(0.004, rel=1e-9)
+    assert got.dense_s_per_element == pytest.approx(2e-6, rel=1e-9)
+    assert got.sparse_group_s == pytest.approx(0.001, rel=1e-9)
+
+
 # ------------------------------------------------------------------ flat against two-level
 def test_flat_candidates_join_a_two_level_set_last_and_within_the_limit():
     from omgs_hook.cost_model import hierarchical_instance
