@@ -223,3 +223,25 @@ def test_only_a_steps_first_forward_starts_it(monkeypatch):
     assert meter.last_iteration_s == pytest.approx(10.0)
     assert meter.tail_s() == pytest.approx(6.5)  # 3.5 -> 10
     assert next(walls) == 99.0  # the second forwards never read the clock
+
+
+def test_iteration_median_of_the_window_and_of_the_plan_in_use(monkeypatch):
+    """``iteration_s``: the median of the window's iterations (one slow one - a GC pass,
+    an evaluation - does not move it), of the steps from ``since_step`` on once there are
+    3 of them; ``last_iteration_s`` stays the last one alone."""
+    starts = [0.0, 1.0, 2.0, 3.0, 13.0, 14.0, 14.5, 15.0, 15.5]  # forward starts
+    times = iter(starts)
+    monkeypatch.setattr(measurements.time, "perf_counter", lambda: next(times))
+    meter = BackwardMeter(window=8)
+    clock = meter.clock = FakeClock()
+    assert meter.iteration_s() is None
+    for step in range(1, len(starts) + 1):
+        meter.forward_started()
+        run_step(meter, clock, [(3.0, 3.0, 3.0)], (("a",),), step=step, start_forward=False)
+    # iterations of steps 1..8: 1, 1, 1, 10, 1, 0.5, 0.5, 0.5
+    assert meter.last_iteration_s == pytest.approx(0.5)
+    assert meter.iteration_s() == pytest.approx(1.0)
+    assert meter.iteration_s(since_step=6) == pytest.approx(0.5)
+    assert meter.iteration_s(since_step=7) == pytest.approx(1.0)  # 2 steps: the window's
+    meter.reset()
+    assert meter.iteration_s() is None

@@ -1932,7 +1932,9 @@ class OMGSState:
         forward with autograd to the start of the next step's, on the host clock - a
         step that calls the model twice, or runs ``no_sync`` micro-batches first, counts
         from its first forward; needs ``module``; what
-        ``"predicted_iteration_s"`` predicts), ``"step_s"`` (this rank's seconds
+        ``"predicted_iteration_s"`` predicts), ``"median_iteration_s"`` (the median of
+        those over the last 32 steps, of the plan in use's own steps once it has run 3:
+        what ``summary()`` compares the prediction with), ``"step_s"`` (this rank's seconds
         between the last two arrivals of bucket 0: a whole iteration, the trial's
         measure; works without ``module``), ``"cost_correction"`` (what the last
         trial measured beyond the model - a constant, seconds per densely sent element,
@@ -1993,6 +1995,8 @@ class OMGSState:
             "backward_s_per_unit": self.meter.backward_s(),
             "forward_s": self.meter.forward_s(),
             "measured_iteration_s": self.meter.last_iteration_s,
+            "median_iteration_s": self.meter.iteration_s(
+                since_step=self._plan_history[-1]["step"] if self._plan_history else None),
             "step_s": self._last_step_s,
             "planner_wait_s": self._planner.last_wait_s,
             "replan_stall_s": {"last": self._replan_stall[0], "max": self._replan_stall[1]},
@@ -2090,9 +2094,10 @@ class OMGSState:
                          f"{last['dense_bytes'] / 1e3:,.1f} kB dense ({ratio:.1f}x less); "
                          f"to other nodes {last['inter_node_bytes'] / 1e3:,.1f} kB, within "
                          f"the node {last['intra_node_bytes'] / 1e3:,.1f} kB")
-        predicted, measured = s["predicted_iteration_s"], s["measured_iteration_s"] or s["step_s"]
+        predicted = s["predicted_iteration_s"]
+        measured = s["median_iteration_s"] or s["measured_iteration_s"] or s["step_s"]
         if predicted is not None and measured:
-            lines.append(f"  step: predicted {predicted:.4f} s, measured {measured:.4f} s "
+            lines.append(f"  step: predicted {predicted:.4f} s, measured (median) {measured:.4f} s "
                          f"({(predicted / measured - 1) * 100:+.0f}%)")
         return "\n".join(lines)
 

@@ -88,6 +88,7 @@ class BackwardMeter:
         self._send_start = []
         self._send_end = []
         self.last_iteration_s = None
+        self._iterations = collections.deque(maxlen=window)  # (step number or None, s)
         self._last_fwd_start_wall = None
         self._tail = collections.deque(maxlen=window)
         self._finish_wall = None
@@ -102,6 +103,18 @@ class BackwardMeter:
         self._tail_steps = collections.deque(maxlen=window)
         self._last_step = None  # number of the last step closed (owns the next tail)
         self.prefer_from_step = None
+
+    def iteration_s(self, since_step=None):
+        """Median wall time of the window's iterations (one first forward to the next),
+        or None before two forwards. With ``since_step``: of the iterations of steps from
+        that one on, when there are at least 3 (a plan's own steps), else of the window.
+        One iteration is a poor estimate of the next (a GC pass, a load spell, the
+        evaluation after an epoch); this is what a prediction is compared with."""
+        values = [s for step, s in self._iterations
+                  if since_step is None or (step is not None and step >= since_step)]
+        if len(values) < 3:
+            values = [s for _, s in self._iterations]
+        return statistics.median(values) if values else None
 
     def use_device(self, device):
         """Pick the clock for the gradients' device (called at the first bucket)."""
@@ -122,6 +135,7 @@ class BackwardMeter:
         wall = time.perf_counter()
         if self._last_fwd_start_wall is not None:
             self.last_iteration_s = wall - self._last_fwd_start_wall
+            self._iterations.append((self._last_step, self.last_iteration_s))
         self._step_tail = None
         if self._finish_wall is not None and self._last_fwd_start_wall is not None \
                 and self._finish_wall >= self._last_fwd_start_wall:
@@ -212,7 +226,7 @@ class BackwardMeter:
         self.layout = None
         self._timelines.clear()
         for deque in (self._samples, self._forward, self._tail, self._sample_steps,
-                      self._forward_steps, self._tail_steps):
+                      self._forward_steps, self._tail_steps, self._iterations):
             deque.clear()
         self._pending = None
         self._last_step = None
