@@ -245,3 +245,23 @@ def test_iteration_median_of_the_window_and_of_the_plan_in_use(monkeypatch):
     assert meter.iteration_s(since_step=7) == pytest.approx(1.0)  # 2 steps: the window's
     meter.reset()
     assert meter.iteration_s() is None
+
+
+def test_tail_excess_is_the_gap_beyond_the_usual_one(monkeypatch):
+    """An evaluation between two steps makes one gap (last write-back to the next
+    forward) long: ``tail_excess_s`` is its excess over the window's median gap, which the
+    hook takes off that step's time; 0 for an ordinary gap or before 3 gaps."""
+    # forward starts at 0, 10, 20, 30, 40; each step's last write-back 8 s after its start,
+    # except the fourth, after which an evaluation ran: gaps 2, 2, 2, then 12 (at t=40+10)
+    starts = iter([0.0, 10.0, 20.0, 30.0, 50.0])
+    monkeypatch.setattr(measurements.time, "perf_counter", lambda: next(starts))
+    meter = BackwardMeter(window=8)
+    meter.clock = FakeClock()
+    excess = []
+    for finish in (8.0, 18.0, 28.0, 38.0, None):
+        meter.forward_started()
+        excess.append(meter.tail_excess_s())
+        if finish is not None:
+            meter.step_finished(finish)
+    assert excess[:4] == [0.0, 0.0, 0.0, 0.0]
+    assert excess[4] == pytest.approx(10.0)  # gap 12 against the median 2

@@ -291,6 +291,16 @@ class BackwardMeter:
         rows = self._fresh(self._timelines, [step for step, _ in self._timelines])
         return [(step, list(row)) for step, row in rows]
 
+    def tail_excess_s(self):
+        """How much longer the gap between the previous step's last write-back and this
+        step's forward was than the window's median gap (0 when unknown, or with fewer
+        than 3 gaps seen). The gap holds the optimiser step and the next batch, and also
+        whatever a training loop runs between steps now and then - an evaluation after
+        an epoch, a checkpoint, a log line: time no plan is responsible for."""
+        if self._step_tail is None or len(self._tail) < 3:
+            return 0.0
+        return max(0.0, self._step_tail - statistics.median(self._tail))
+
     def tail_s(self):
         """Median seconds from a step's last write-back to the next forward (0 if unseen)."""
         tail = self._fresh(self._tail, self._tail_steps)
