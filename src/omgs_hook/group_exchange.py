@@ -4,14 +4,22 @@ completing DDP's per-bucket futures when every group covering a bucket is writte
 Threading model (measured on gloo, see docs/design.md):
 * ``add_bucket`` / ``send_group`` / ``finish_issuing`` run on the autograd thread, in
   the hook, identically ordered on every rank - the only place collectives are issued.
-* ``_on_group_done`` runs on a process-group worker thread (or inline, when the
-  collective already finished). It does local work only: unpack, average, write back,
-  stage residuals, complete futures. It never issues a collective and never waits.
+* A group's completion - unpack, average, write back, stage residuals, complete
+  futures - is local work only: it never issues a collective. A dense group's and a
+  two-level group's run on a process-group worker thread when the collective
+  completes (or inline, when it already had). A flat sparse group's on the CPU runs on
+  the autograd thread instead (``write_back_completed``): at the next bucket for the
+  groups whose collective has completed by then, and at the last bucket for the rest,
+  waiting for them. Its callback on the worker thread only notes the completion time.
+  On two cores, a write-back on gloo's thread took the interpreter lock and a core
+  from backward at every small torch call (hand-offs of the lock cost more than the
+  O(k) work itself: docs/hot-path.md).
 
 Any exception - in a collective or in the local work - is routed to every bucket
 future still pending, so ``backward()`` raises instead of hanging.
 """
 
+import collections
 import contextlib
 import threading
 import time
@@ -135,6 +143,10 @@ class StepExchange:
         self._all_issued = False
         self._lock = threading.Lock()
         self._last_comm_done = None
+        # flat sparse groups (CPU) whose write-back runs on the autograd thread, in issue
+        # order: [future, finish, record, issue time, completion time or None]
+        self._deferred = collections.deque()
+        self.waited_s = 0.0  # seconds write_back_completed waited for collectives
 
     # -- arrival ------------------------------------------------------------------
     def add_bucket(self, bucket, keys, params):
@@ -390,7 +402,7 @@ class StepExchange:
         self._issue(start,
                     lambda: self._finish_sparse(keys, buffers, segments, gathered[0], k, numel,
                                                 cleared),
-                    record)
+                    record, defer=acc.device.type == "cpu")
         self.topk_s += selected - selecting
         # the rest of the group's work on this thread, for the cost model
         self.overhead_samples.append((numel, selecting - started, time.perf_counter() - selected))
@@ -517,13 +529,15 @@ class StepExchange:
             if not self.advance():
                 self.advance(wait_first=True)
 
-    def _issue(self, start_collective, finish, record):
+    def _issue(self, start_collective, finish, record, defer=False):
         """Issue the group's collective (``start_collective() -> future``) and arrange for
-        ``finish`` (the write-back) to run when it completes. A profiler range
-        ``omgs/collective[gN]`` spans issue to completion."""
-        self._issue_registered(start_collective, finish, record, self._register(record))
+        ``finish`` (the write-back) to run when it completes: on the completion thread,
+        or with ``defer`` on this (the autograd) thread, in :meth:`write_back_completed`.
+        A profiler range ``omgs/collective[gN]`` spans issue to completion."""
+        self._issue_registered(start_collective, finish, record, self._register(record),
+                               defer=defer)
 
-    def _issue_registered(self, start_collective, finish, record, group=None):
+    def _issue_registered(self, start_collective, finish, record, group=None, defer=False):
         """``_issue`` for a record already counted by ``_register``."""
         if group is None:
             group = self.records.index(record)
@@ -533,24 +547,69 @@ class StepExchange:
             if span is not None:  # the range ends when the collective completes
                 span._call_end_callbacks_on_future(future)
 
+        if defer:
+            entry = [future, finish, record, issue_wall, None, group]
+
+            def completed(fut):  # the worker thread: the time only, no torch work
+                entry[4] = time.perf_counter()
+
+            self._deferred.append(entry)
+            future.add_done_callback(completed)
+            return
+
         def on_done(fut):
-            try:
-                fut.value()  # raises if the collective failed
-                if (not record.dense and self.on_comm_sample is not None
-                        and self.subgroups is None):  # (two-level: three collectives)
-                    self._comm_sample(record.bytes, issue_wall)
-                with _range("write_back", group):
-                    finish()
-                record.done = time.perf_counter()
-            except BaseException as exc:  # noqa: BLE001 - routed to the futures
-                self._fail(exc, group_finished=True)
-                return
-            self._group_done(record.keys)
+            self._complete(fut, finish, record, issue_wall, group)
 
         future.add_done_callback(on_done)
 
-    def _comm_sample(self, nbytes, issue_wall):
-        now = time.perf_counter()
+    def _complete(self, future, finish, record, issue_wall, group, completed_at=None):
+        """The group's collective is complete: write it back and count it done (any
+        exception is routed to the futures). ``completed_at``: when the collective
+        completed, for a write-back run later than that (deferred); ``record.done`` is
+        then that time plus the write-back's own, as if it had run at completion - what
+        the measured collective times (``measurements.comm_sums``) count."""
+        try:
+            future.value()  # raises if the collective failed
+            if (not record.dense and self.on_comm_sample is not None
+                    and self.subgroups is None):  # (two-level: three collectives)
+                self._comm_sample(record.bytes, issue_wall, completed_at)
+            started = time.perf_counter()
+            with _range("write_back", group):
+                finish()
+            now = time.perf_counter()
+            record.done = now if completed_at is None else completed_at + (now - started)
+        except BaseException as exc:  # noqa: BLE001 - routed to the futures
+            self._fail(exc, group_finished=True)
+            return
+        self._group_done(record.keys)
+
+    def write_back_completed(self, wait=False):
+        """On the autograd thread: write back the deferred groups, in issue order, whose
+        collective has completed - all of them with ``wait`` (at the last bucket: it waits
+        for each, as DDP would for the bucket futures). Returns how many it wrote back."""
+        count = 0
+        deferred = self._deferred
+        while deferred:
+            entry = deferred[0]
+            future = entry[0]
+            if not future.done():
+                if not wait:
+                    break
+                waiting = time.perf_counter()
+                try:
+                    future.wait()  # (releases the interpreter lock)
+                except Exception:  # noqa: BLE001 - _complete routes it to the futures
+                    pass
+                self.waited_s += time.perf_counter() - waiting
+            deferred.popleft()
+            # (done() can turn True before the completion callback has run)
+            completed_at = entry[4] if entry[4] is not None else time.perf_counter()
+            self._complete(future, entry[1], entry[2], entry[3], entry[5], completed_at)
+            count += 1
+        return count
+
+    def _comm_sample(self, nbytes, issue_wall, now=None):
+        now = time.perf_counter() if now is None else now
         with self._lock:
             start = issue_wall if self._last_comm_done is None else max(issue_wall, self._last_comm_done)
             self._last_comm_done = now
@@ -633,17 +692,34 @@ class StepExchange:
             future.set_exception(exc)
 
     def fail_all(self, exc):
-        """Route ``exc`` to every pending bucket future (the hook itself raised)."""
+        """Route ``exc`` to every pending bucket future (the hook itself raised, or the
+        backward pass was abandoned). Deferred write-backs will not run: they count as
+        done, so the step finishes (its staged residuals discarded) once the groups
+        completing on other threads are."""
+        with self._lock:
+            self._done += len(self._deferred)
+            self._deferred.clear()
         self._fail(exc, group_finished=False)
 
     # -- end of step ------------------------------------------------------------------
     def finish_issuing(self):
-        """Called after the last bucket's groups were issued."""
+        """Called after the last bucket's groups were issued, on the autograd thread:
+        writes back every deferred group, waiting for their collectives."""
+        self.write_back_completed(wait=True)
         with self._lock:
             self._all_issued = True
             finished = self._maybe_finish_locked()
         if finished:
             self._after_finish()
+
+    def wait_collectives(self):
+        """Wait until every bucket future of the step is complete (its collectives done
+        and written back); a failure stays with the futures, for DDP to raise."""
+        for future in list(self._futures):
+            try:
+                future.wait()
+            except Exception:  # noqa: BLE001 - DDP raises it from the future
+                pass
 
     def _maybe_finish_locked(self):
         if self.finished or not self._all_issued or self._done < self._issued:

@@ -956,6 +956,10 @@ class OMGSState:
             # the two-level stages waited for here are the groups' own work (their
             # reduce-scatter is on the model's compute stream), not this bucket's backward
             self.meter.sends_started()
+            # sparse groups whose collective completed since the last bucket: written
+            # back here, on this thread (inside the send window, so the time is not
+            # counted as this bucket's backward)
+            exchange.write_back_completed()
             exchange.advance()  # two-level groups in flight: one stage on
             last = bucket.is_last()
             if self._in_dense_mode():
@@ -967,7 +971,11 @@ class OMGSState:
             self.meter.sends_finished()
             if last:
                 exchange.drain()
+                # (with every deferred write-back, waiting for their collectives: DDP
+                # waits for the bucket futures right after this call anyway; the wait is
+                # the network's time, not the hook's)
                 exchange.finish_issuing()
+                entered += exchange.waited_s
                 self._note_step_params()
                 self._end_step(exchange)
             exchange.hook_s += time.perf_counter() - entered
@@ -1129,6 +1137,11 @@ class OMGSState:
             return
         reason = self._replan_due(layout)
         if reason:
+            # the re-plan's gathers queue behind this step's collectives on the process
+            # group, and DDP waits for those right after this call anyway: wait for them
+            # first, so the stall counts the re-plan's own time (after a dense warm-up
+            # step of 1000 buckets the first gather had waited 0.9-1.0 s behind them)
+            exchange.wait_collectives()
             started = time.perf_counter()
             self._replan(layout, reason)
             self._note_stall(time.perf_counter() - started)
