@@ -8,6 +8,7 @@ Slowness is simulated with events the test controls, never with timing assertion
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,11 +87,15 @@ def test_a_slow_function_makes_poll_wait_at_the_agreed_step():
     assert planner.close(timeout=WAIT)
 
 
+def _wait_ready(planner):
+    deadline = time.monotonic() + WAIT
+    while not planner.ready and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def test_no_wait_is_recorded_when_the_worker_finished_in_time(planner):
     planner.submit(lambda: 1, apply_at_step=0)
-    # wait for the worker outside poll
-    for thread in _our_threads(planner._name):
-        thread.join(WAIT)
+    _wait_ready(planner)  # the worker finishes outside poll
     assert planner.ready
     assert planner.poll(0) == 1
     assert planner.last_wait_s == 0.0
@@ -216,6 +221,33 @@ def test_no_thread_is_left_running_after_close():
     assert planner.closed and not planner.pending
     with pytest.raises(RuntimeError, match="after close"):
         planner.submit(lambda: 1, apply_at_step=3)
+
+
+def test_an_idle_worker_thread_takes_the_next_job_and_a_busy_one_does_not(planner):
+    """Starting a thread holds the caller until the thread runs (5-6 ms a re-plan on
+    two busy cores): a finished worker waits for the next job instead of ending. A job
+    replaced while it runs keeps its thread; the new job gets another."""
+    name = planner._name
+    planner.submit(threading.get_ident, apply_at_step=1)
+    first = planner.poll(1)
+    for step in range(2, 6):
+        _wait_idle(planner)
+        planner.submit(threading.get_ident, apply_at_step=step)
+        assert planner.poll(step) == first  # the same thread each time
+    assert len(_our_threads(name)) == 1
+    release = threading.Event()
+    _wait_idle(planner)
+    planner.submit(release.wait, WAIT, apply_at_step=6)  # busy until released
+    planner.submit(threading.get_ident, apply_at_step=7)  # replaces it: another thread
+    other = planner.poll(7)
+    assert other != first and len(_our_threads(name)) == 2
+    release.set()
+
+
+def _wait_idle(planner):
+    deadline = time.monotonic() + WAIT
+    while not planner._idle and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def test_context_manager_closes():
