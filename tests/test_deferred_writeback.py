@@ -7,28 +7,12 @@ discards its staged residuals."""
 
 import threading
 import time
-import types
 
 import pytest
 import torch
 
 from ddp_harness import run_ranks
-
-
-class FakeBucket:
-    def __init__(self, grads):
-        self._buffer = torch.cat([g.reshape(-1) for g in grads]).float()
-        self._grads, offset = [], 0
-        for g in grads:
-            self._grads.append(self._buffer[offset:offset + g.numel()])
-            offset += g.numel()
-        self.params = [types.SimpleNamespace(grad=g) for g in self._grads]
-
-    def buffer(self):
-        return self._buffer
-
-    def gradients(self):
-        return self._grads
+from test_exchange_options import FakeBucket
 
 
 def _exchange_with_deferred_groups(count):

@@ -131,7 +131,7 @@ class StepExchange:
         # seconds) - the hook's own cost besides top-k (measurements.GroupOverheadMeter)
         self.overhead_samples = []
         # per sparse group: (elements, seconds) of the receive side - unpacking, the
-        # scatter-add, averaging, writing back - on the collective's completion thread
+        # scatter-add, averaging, writing back - once the collective completed
         self.writeback_samples = []
 
         self._futures = []  # per bucket
@@ -144,7 +144,7 @@ class StepExchange:
         self._lock = threading.Lock()
         self._last_comm_done = None
         # flat sparse groups (CPU) whose write-back runs on the autograd thread, in issue
-        # order: [future, finish, record, issue time, completion time or None]
+        # order: [future, finish, record, issue time, completion time or None, group]
         self._deferred = collections.deque()
         self.waited_s = 0.0  # seconds write_back_completed waited for collectives
 
@@ -616,7 +616,7 @@ class StepExchange:
         if now > start:  # a clock that did not advance gives no information
             self.on_comm_sample(nbytes, now - start)
 
-    # -- completion (collective callback threads) -----------------------------------
+    # -- completion (a collective callback thread, or the autograd thread) ------------
     def _mark_nonfinite(self):
         if self.raise_on_nonfinite:
             raise FloatingPointError("omgs_hook: a rank's gradient holds NaN/Inf (nonfinite='raise')")

@@ -1963,7 +1963,9 @@ class OMGSState:
         re-planning cost that step), ``"replan_stall_s"`` (``last`` and ``max``: host
         seconds a step spent on re-planning on the autograd thread - gathering the
         numbers at the end of a step, switching plans at the start of one, the wait
-        included), ``"planned_with"`` (the forward, tail and
+        for the planner and for the other ranks included; not the wait for the step's
+        own collectives, which the gathers would queue behind and DDP waits for
+        anyway), ``"planned_with"`` (the forward, tail and
         per-group overhead the last plan was made with, and ``"comm_scale"``: the factors
         ``measured_comm`` applied to the sparse and dense collective costs, None where
         there was nothing to measure), ``"model_check"`` (the model against reality for
