@@ -25,7 +25,13 @@ Usage::
 ``--buckets B`` splits the gradient over B equal ``Linear`` layers, one DDP bucket each,
 which ``strategy="single"`` merges into ONE group of B runs - what an OMGS group of
 merged buckets looks like; the per-run parts of the hook (reading the sample, the
-write-back) show up there and not with one bucket.
+write-back) show up there and not with one bucket. With ``--strategy layerwise`` every
+bucket is a group of its own instead: B sparse groups, whose fixed per-group costs
+(issuing a collective, packing, the hand-offs of a write-back) show up; the table then
+also gives the overhead per group in milliseconds. ``--density`` sets the hook's density
+(default 0.001)::
+
+    python scripts/bench_hook_overhead.py --sizes 65536 --buckets 16 --strategy layerwise --density 0.01
 
 On a machine with CUDA, ``--device cuda`` runs both ranks on GPU 0 (gloo with CUDA
 tensors) and synchronises around each step.
@@ -83,8 +89,11 @@ def copy_seconds(numel, device, reps):
     return statistics.median(times[2:])
 
 
-def _hook_options():
-    return {"density": DENSITY, "strategy": "single", "allow_dense": False, "select": "model",
+STRATEGIES = ("single", "layerwise")
+
+
+def _hook_options(strategy="single", density=DENSITY):
+    return {"density": density, "strategy": strategy, "allow_dense": False, "select": "model",
             "warmup_steps": 2, "log_every": 0}
 
 
@@ -101,7 +110,7 @@ class _Parallel(torch.nn.Module):
         return sum(layer(x) for layer in self.layers)
 
 
-def _build(numel, device, hook, buckets=1):
+def _build(numel, device, hook, buckets=1, strategy="single", density=DENSITY):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -118,7 +127,7 @@ def _build(numel, device, hook, buckets=1):
     if hook == "noop":
         ddp.register_comm_hook(None, noop_hook)
     else:
-        state = omgs_hook.register(ddp, **_hook_options())
+        state = omgs_hook.register(ddp, **_hook_options(strategy, density))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
     return ddp, optimizer, state, in_features
 
@@ -143,7 +152,8 @@ def _step(ddp, optimizer, x, device):
     return time.perf_counter() - t0
 
 
-def worker(rank, world_size, port, sizes, rounds, steps, device_name, out_path, buckets=1):
+def worker(rank, world_size, port, sizes, rounds, steps, device_name, out_path, buckets=1,
+           strategy="single", density=DENSITY):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -156,7 +166,8 @@ def worker(rank, world_size, port, sizes, rounds, steps, device_name, out_path, 
     results = []
     try:
         for numel in sizes:
-            variants = {name: _build(numel, device, name, buckets) for name in ("noop", "omgs")}
+            variants = {name: _build(numel, device, name, buckets, strategy, density)
+                        for name in ("noop", "omgs")}
             x = torch.randn(BATCH, variants["noop"][3], device=device)
             for name, (ddp, opt, _, _) in variants.items():  # DDP rebuild, dense warm-up, plan
                 for _ in range(12):
@@ -210,24 +221,35 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def measure(sizes, rounds=5, steps=4, device="cpu", world_size=2, buckets=1):
+def measure(sizes, rounds=5, steps=4, device="cpu", world_size=2, buckets=1, strategy="single",
+            density=DENSITY):
     """Run the 2-rank measurement; return one result dict per size."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        mp.start_processes(worker, args=(world_size, _free_port(), sizes, rounds, steps, device, out, buckets),
+        mp.start_processes(worker, args=(world_size, _free_port(), sizes, rounds, steps, device, out,
+                                         buckets, strategy, density),
                            nprocs=world_size, join=True, start_method="spawn")
         with open(out) as f:
             return json.load(f)
 
 
 def format_table(results):
+    """The results as a Markdown table; with more than one sparse group (``layerwise``)
+    a last column gives the overhead per group."""
+    per_group = any((r.get("groups") or 1) > 1 for r in results)
     lines = ["| elements | buckets | one copy_ (ms) | no-op hook step (ms) | OMGS step (ms) | "
-             "hook overhead (copies) |", "|---|---|---|---|---|---|"]
+             "hook overhead (copies) |" + (" groups | overhead per group (ms) |" if per_group else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if per_group else "")]
     for r in results:
-        lines.append(f"| {r['numel'] / 1e6:.1f}M | {r.get('buckets') or '?'} | "
-                     f"{r['copy_s'] * 1e3:.2f} | "
-                     f"{r['noop_step_s'] * 1e3:.1f} | {r['omgs_step_s'] * 1e3:.1f} | "
-                     f"{r['overhead_copies']:.2f} |")
+        line = (f"| {r['numel'] / 1e6:.1f}M | {r.get('buckets') or '?'} | "
+                f"{r['copy_s'] * 1e3:.2f} | "
+                f"{r['noop_step_s'] * 1e3:.1f} | {r['omgs_step_s'] * 1e3:.1f} | "
+                f"{r['overhead_copies']:.2f} |")
+        if per_group:
+            groups = r.get("groups") or 1
+            line += (f" {groups} | "
+                     f"{(r['omgs_step_s'] - r['noop_step_s']) * 1e3 / groups:.2f} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -242,19 +264,29 @@ def main(argv=None):
     parser.add_argument("--buckets", type=int, default=1,
                         help="split the gradient over this many DDP buckets, merged into one "
                              "group (default 1)")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="single",
+                        help="single: the buckets form one sparse group; layerwise: one group "
+                             "per bucket (default single)")
+    parser.add_argument("--density", type=float, default=DENSITY,
+                        help=f"the hook's density (default {DENSITY})")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.buckets < 1:
         parser.error(f"--buckets: must be >= 1, got {args.buckets}")
+    if not 0 < args.density <= 1:
+        parser.error(f"--density: must be in (0, 1], got {args.density}")
     sizes = args.sizes if isinstance(args.sizes, list) else [
         int(float(s)) for s in args.sizes.split(",") if s.strip()]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
-    results = measure(sizes, args.rounds, args.steps, args.device, buckets=args.buckets)
+    results = measure(sizes, args.rounds, args.steps, args.device, buckets=args.buckets,
+                      strategy=args.strategy, density=args.density)
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "buckets": args.buckets, "load": os.getloadavg(),
+            json.dump({"device": args.device, "buckets": args.buckets,
+                       "strategy": args.strategy, "density": args.density,
+                       "load": os.getloadavg(),
                        "results": results}, f,
                       indent=1)
     return results

@@ -25,8 +25,30 @@ def test_bad_bucket_count_is_refused_before_anything_runs():
         bench.main(["--buckets", "0", "--sizes", "1e5"])
 
 
+@pytest.mark.parametrize("argv", [["--density", "0"], ["--density", "1.5"],
+                                  ["--strategy", "optimal"]])
+def test_bad_density_or_strategy_is_refused_before_anything_runs(argv):
+    with pytest.raises(SystemExit):
+        bench.main(argv + ["--sizes", "1e5"])
+
+
+def test_hook_options_carry_strategy_and_density():
+    options = bench._hook_options("layerwise", 0.01)
+    assert options["strategy"] == "layerwise" and options["density"] == 0.01
+    assert options["allow_dense"] is False and options["select"] == "model"
+
+
 def test_table_names_the_bucket_count():
     row = {"numel": 12e6, "buckets": 40, "copy_s": 0.01, "noop_step_s": 0.07,
            "omgs_step_s": 0.14, "overhead_copies": 7.0}
     table = bench.format_table([row])
     assert "| 12.0M | 40 | 10.00 | 70.0 | 140.0 | 7.00 |" in table
+
+
+def test_table_gives_the_overhead_per_group_when_there_are_several():
+    row = {"numel": 65536, "buckets": 16, "copy_s": 0.0001, "noop_step_s": 0.002,
+           "omgs_step_s": 0.026, "overhead_copies": 240.0, "groups": 16}
+    table = bench.format_table([row])
+    assert "overhead per group (ms)" in table
+    assert table.splitlines()[-1].endswith("| 16 | 1.50 |")
+    assert "per group" not in bench.format_table([dict(row, groups=1)])
