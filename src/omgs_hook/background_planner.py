@@ -118,33 +118,25 @@ class _Job:
 
 
 class _WorkerThread:
-    """A daemon thread that runs the jobs put in its queue, one at a time, and then
-    puts itself back on its planner's idle list (``None`` in the queue ends it). The
-    loop holds no reference to the planner, so a planner dropped without ``close`` can
-    still be collected (its finalizer ends the threads)."""
+    """A daemon thread that runs the jobs put in its queue, one at a time, and after
+    each puts itself back on its planner's idle list (``None`` in the queue ends it).
+    The loop holds no reference to the planner, so a planner dropped without ``close``
+    can still be collected (its finalizer ends the threads)."""
 
     def __init__(self, name, idle, lock):
         self.jobs = queue.SimpleQueue()
-        self.thread = threading.Thread(target=_WorkerThread._loop,
-                                       args=(self, self.jobs, idle, lock),
-                                       name=name, daemon=True)
+        self.thread = threading.Thread(target=self._loop, args=(idle, lock), name=name,
+                                       daemon=True)
 
-    @staticmethod
-    def _loop(me, jobs, idle, lock):
-        me_ref = weakref.ref(me)
-        del me
+    def _loop(self, idle, lock):
         while True:
-            job = jobs.get()
+            job = self.jobs.get()
             if job is None:
                 return
             job.run()
             job = None  # nothing of it stays alive while this thread waits
-            worker = me_ref()
-            if worker is None:
-                return
             with lock:
-                idle.append(worker)
-            worker = None
+                idle.append(self)
 
 
 def _stop_threads(workers, lock):
@@ -261,9 +253,9 @@ class BackgroundPlanner:
 
     ``submit(fn, *args, apply_at_step, isolate=False, **kwargs)``
         Start ``fn(*args, **kwargs)`` on an idle worker thread (a new daemon thread when
-        none is idle) or, with ``isolate``, in the worker process. The result is due at step ``apply_at_step`` (keyword only, an
-        int). It replaces a pending job, whose result is then discarded. Raises
-        ``RuntimeError`` after :meth:`close`.
+        none is idle) or, with ``isolate``, in the worker process. The result is due at
+        step ``apply_at_step`` (keyword only, an int). It replaces a pending job, whose
+        result is then discarded. Raises ``RuntimeError`` after :meth:`close`.
     ``poll(step) -> result or None``
         ``None`` while nothing is pending or ``step < apply_at_step``. Otherwise: wait
         for the worker if it is still running, clear the pending job, and return its

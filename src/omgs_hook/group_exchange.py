@@ -591,7 +591,7 @@ class StepExchange:
         deferred = self._deferred
         while deferred:
             entry = deferred[0]
-            future = entry[0]
+            future, finish, record, issue_wall, _, group = entry
             if not future.done():
                 if not wait:
                     break
@@ -602,9 +602,10 @@ class StepExchange:
                     pass
                 self.waited_s += time.perf_counter() - waiting
             deferred.popleft()
-            # (done() can turn True before the completion callback has run)
+            # the completion time its callback noted (done() can turn True before the
+            # callback has run: then now)
             completed_at = entry[4] if entry[4] is not None else time.perf_counter()
-            self._complete(future, entry[1], entry[2], entry[3], entry[5], completed_at)
+            self._complete(future, finish, record, issue_wall, group, completed_at)
             count += 1
         return count
 
