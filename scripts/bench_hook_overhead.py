@@ -121,7 +121,9 @@ def _build(numel, device, hook, buckets=1, strategy="single", density=DENSITY):
     else:
         model = _Parallel(in_features, out_features, buckets).to(device)
         cap_mb = in_features * out_features * 4 / 2**20
-    ddp = DDP(model, bucket_cap_mb=cap_mb, broadcast_buffers=False,
+    # (no broadcast_buffers option: the model has no buffers, and torch 2.13 warns about
+    # the old name even when it is False)
+    ddp = DDP(model, bucket_cap_mb=cap_mb,
               device_ids=[device.index] if device.type == "cuda" else None)
     state = None
     if hook == "noop":

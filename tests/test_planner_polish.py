@@ -1,0 +1,182 @@
+"""Tests for the polish of a budget-stopped plan (planner._polish) and the wider beam
+with a dense cost: the moves are priced right, the result is a local optimum of those
+moves and never worse than the plan it started from, and `optimal` at the valve uses it.
+
+Every time a test compares is recomputed with cost_model.simulate, the reference
+recurrence, never with the polish's own flow-shop identity.
+"""
+
+import dataclasses
+import itertools
+import math
+import warnings
+
+import numpy as np
+import pytest
+from test_planner import random_instance
+
+from omgs_hook import planner
+from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit, simulate
+from omgs_hook.planner import SearchBudgetWarning, make_plan
+
+
+def _time(inst, bounds, modes):
+    groups = planner._groups_from_bounds(list(bounds))
+    return simulate(inst, groups, list(modes)).comm_end_s
+
+
+def _random_plan(rng, inst):
+    L = inst.num_units
+    cuts = sorted(set(int(x) for x in rng.integers(1, L, size=rng.integers(0, L))))
+    bounds = [c for c in cuts if 0 < c < L] + [L]
+    dense = inst.dense is not None
+    modes = [bool(dense and rng.random() < 0.5) for _ in bounds]
+    return bounds, modes
+
+
+def _recovers(bounds, modes, dense_allowed):
+    """Every plan one polish move away: a window of 1..3 groups re-covered by one or two
+    groups, every cut and mode pair (independent enumeration)."""
+    starts = [0] + list(bounds[:-1])
+    choices = (False, True) if dense_allowed else (False,)
+    m = len(bounds)
+    for j in range(m):
+        for width in range(1, min(planner._POLISH_WINDOW, m - j) + 1):
+            lo, hi = starts[j], bounds[j + width - 1]
+            before, after = list(bounds[:j]), list(bounds[j + width:])
+            mb, ma = list(modes[:j]), list(modes[j + width:])
+            for d in choices:
+                yield before + [hi] + after, mb + [d] + ma
+            for cut in range(lo + 1, hi):
+                for d1, d2 in itertools.product(choices, repeat=2):
+                    yield before + [cut, hi] + after, mb + [d1, d2] + ma
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_group_terms_match_the_reference_timeline(dense):
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        inst = random_instance(rng, int(rng.integers(1, 9)), dense)
+        ps = planner._prefix_sums(inst)
+        L = inst.num_units
+        lo = int(rng.integers(0, L))
+        hi = int(rng.integers(lo + 1, L + 1))
+        sparse_terms, dense_terms = planner._group_terms(inst, ps, lo, hi)
+        assert (dense_terms is None) == (not dense)
+        one = dataclasses.replace(inst, layers=inst.layers[lo:hi])
+        for flag, terms in ((False, sparse_terms), (True, dense_terms)):
+            if terms is None:
+                continue
+            x, y = terms
+            # one group alone: compute end = x, network end = x + y
+            timeline = simulate(one, [tuple(range(hi - lo))], [flag])
+            assert math.isclose(float(x), timeline.compute_end_s, rel_tol=1e-9, abs_tol=1e-15)
+            assert math.isclose(float(x + y), timeline.comm_end_s, rel_tol=1e-9, abs_tol=1e-15)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_polish_ends_in_a_local_optimum_never_worse_than_its_start(dense):
+    """From random plans of random instances: the result is a valid plan (contiguous,
+    covering, sparse only without a dense cost), no worse than the start under the
+    reference timeline, and no single move (checked by brute force with simulate)
+    beats it by more than rounding."""
+    rng = np.random.default_rng(7 if dense else 8)
+    moved = 0
+    for _ in range(40):
+        inst = random_instance(rng, int(rng.integers(2, 9)), dense)
+        ps = planner._prefix_sums(inst)
+        bounds, modes = _random_plan(rng, inst)
+        start = _time(inst, bounds, modes)
+        new_bounds, new_modes = planner._polish(inst, ps, (tuple(bounds), tuple(modes)))
+        assert list(new_bounds) == sorted(set(new_bounds)) and new_bounds[-1] == inst.num_units
+        assert new_bounds[0] > 0 and len(new_modes) == len(new_bounds)
+        if not dense:
+            assert not any(new_modes)
+        result = _time(inst, new_bounds, new_modes)
+        scale = planner._time_scale(inst)
+        assert result <= start + 1e-9 * scale
+        moved += (list(new_bounds), list(new_modes)) != (bounds, modes)
+        best_neighbour = min(_time(inst, b, m) for b, m in _recovers(new_bounds, new_modes, dense))
+        assert best_neighbour >= result - 1e-9 * scale
+    assert moved > 10  # the polish did move most starts
+
+
+def test_polish_moves_a_boundary_far_in_one_pass():
+    """Two groups with the cut at the wrong end of a 60-unit run: the best cut is found
+    in one move, wherever it is."""
+    layers = tuple(Unit(numel=10_000, backward_s=1e-3) for _ in range(60))
+    inst = Instance(layers=layers, world_size=4, density=0.01, forward_s=0.0,
+                    comm=LinearCost(2e-3, 1e-8), topk=TopkCost(1e-4, 1e-9, 0.0))
+    ps = planner._prefix_sums(inst)
+    start = ((1, 60), (False, False))
+    best = min((_time(inst, (c, 60), (False, False)), c) for c in range(1, 60))
+    bounds, modes = planner._polish(inst, ps, start)
+    result = _time(inst, bounds, modes)
+    assert result <= best[0] + 1e-12
+    assert result < _time(inst, *start)
+
+
+def test_polish_is_deterministic():
+    rng = np.random.default_rng(3)
+    inst = random_instance(rng, 8, True)
+    ps = planner._prefix_sums(inst)
+    plan = _random_plan(rng, inst)
+    assert planner._polish(inst, ps, plan) == planner._polish(inst, ps, plan)
+
+
+def test_polish_stops_after_its_pass_limit(monkeypatch):
+    """One pass: at most one move (the bounded time the valve relies on)."""
+    layers = tuple(Unit(numel=10_000, backward_s=1e-3) for _ in range(40))
+    inst = Instance(layers=layers, world_size=4, density=0.01, forward_s=0.0,
+                    comm=LinearCost(2e-3, 1e-8), topk=TopkCost(1e-4, 1e-9, 0.0))
+    ps = planner._prefix_sums(inst)
+    start = (tuple(range(1, 41)), (False,) * 40)  # layerwise: many merges pay
+    full = planner._polish(inst, ps, start)
+    monkeypatch.setattr(planner, "_POLISH_PASSES", 1)
+    once = planner._polish(inst, ps, start)
+    assert len(once[0]) >= 38  # one move re-covers at most 3 groups with 1
+    assert _time(inst, *once) < _time(inst, *start)
+    assert len(full[0]) < len(once[0])
+
+
+def _realistic_dense(seed, units):
+    from script_loader import load_script
+
+    compare = load_script("compare_strategies")
+    return compare.realistic_instance(np.random.default_rng(seed), units, True, "mixed")
+
+
+def test_optimal_at_the_valve_returns_the_polished_plan(monkeypatch):
+    """With a budget that stops the search at once, `optimal` still warns, and its plan is
+    what _polish makes of the plan found - no worse than that plan."""
+    inst = _realistic_dense(3, 120)
+    monkeypatch.setattr(planner, "SEARCH_BUDGET", 2_000)
+    seen = {}
+    polish = planner._polish
+
+    def recording(inst_, ps, plan):
+        seen["start"] = plan
+        seen["result"] = polish(inst_, ps, plan)
+        return seen["result"]
+
+    monkeypatch.setattr(planner, "_polish", recording)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = make_plan(inst, "optimal")
+    assert any(issubclass(w.category, SearchBudgetWarning) for w in caught)
+    bounds, modes = seen["result"]
+    assert [g[-1] + 1 for g in plan.groups] == list(bounds)
+    assert list(plan.dense) == list(modes)
+    assert _time(inst, bounds, modes) <= _time(inst, *seen["start"]) + 1e-12
+
+
+def test_an_exact_search_is_not_polished(monkeypatch):
+    """Sparse instances up to EXACT_UNITS are solved exactly: the polish never runs."""
+    rng = np.random.default_rng(5)
+    inst = random_instance(rng, 30, False)
+
+    def fail(*_):
+        raise AssertionError("an exact plan was polished")
+
+    monkeypatch.setattr(planner, "_polish", fail)
+    make_plan(inst, "optimal")
