@@ -396,6 +396,39 @@ def test_re_planning_runs_off_the_autograd_thread_and_every_rank_switches_at_the
     assert slow["stall"]["max"] < 0.5 and fast["stall"]["max"] < 0.5
 
 
+def start_worker(rank, world_size, steps):
+    """Every planning job and the plan in use when it was submitted."""
+    model, ddp, state, opt = build(rank, fake_clock=False, select="model", replan_every=4)
+    seen = []
+    submit = state._submit_plan_job
+
+    def record(job):
+        plan = state.plan
+        seen.append({"start": job["start"],
+                     "in_use": None if plan is None else {"groups": plan.unit_groups(),
+                                                          "dense": list(plan.dense)}})
+        submit(job)
+
+    state._submit_plan_job = record
+    train_steps(ddp, opt, 0, steps, rank)
+    del ddp, state
+    gc.collect()
+    return seen
+
+
+@pytest.mark.timeout(180)
+def test_every_re_plan_starts_from_the_plan_in_use():
+    """The planner gets the plan in use as its start (a bound, and the least a search the
+    valve stops returns); the first plan has none. The same jobs on both ranks."""
+    first, second = run_ranks("test_hook_selection", "start_worker", world_size=2, steps=20)
+    assert first == second
+    assert first[0]["start"] is None and first[0]["in_use"] is None
+    later = first[1:]
+    assert len(later) >= 2
+    assert all(job["start"] == job["in_use"] for job in later)
+    assert all(job["start"] is not None for job in later)
+
+
 def pinned_exchange_worker(rank, world_size):
     """A pinned plan's "exchange" must be one the registration can run."""
     out = {}

@@ -180,3 +180,79 @@ def test_an_exact_search_is_not_polished(monkeypatch):
 
     monkeypatch.setattr(planner, "_polish", fail)
     make_plan(inst, "optimal")
+
+
+# ----------------------------------------------------------------------- a start plan
+
+
+def _exact(inst):
+    saved = planner.SEARCH_BUDGET
+    planner.SEARCH_BUDGET = 10**12
+    try:
+        return make_plan(inst, "optimal")
+    finally:
+        planner.SEARCH_BUDGET = saved
+
+
+def test_a_start_plan_bounds_a_search_the_valve_stops(monkeypatch):
+    """A search stopped at once returns a plan no worse than the start it was given -
+    here the optimum itself - and without it, something worse on this instance."""
+    inst = _realistic_dense(3, 120)
+    best = _exact(inst)
+    monkeypatch.setattr(planner, "SEARCH_BUDGET", 2_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SearchBudgetWarning)
+        without = make_plan(inst, "optimal")
+        with_start = make_plan(inst, "optimal", start=(best.groups, best.dense))
+    assert with_start.predicted_iteration_s <= best.predicted_iteration_s * (1 + 1e-12)
+    assert without.predicted_iteration_s > best.predicted_iteration_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_start_plan_does_not_change_the_optimum(dense):
+    rng = np.random.default_rng(11 if dense else 12)
+    for _ in range(6):
+        inst = random_instance(rng, 14, dense)
+        bounds, modes = _random_plan(rng, inst)
+        start = (planner._groups_from_bounds(bounds), modes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SearchBudgetWarning)
+            plain = make_plan(inst, "optimal")
+            started = make_plan(inst, "optimal", start=start)
+        assert math.isclose(started.predicted_iteration_s, plain.predicted_iteration_s,
+                            rel_tol=1e-9)
+
+
+def test_a_start_plan_that_does_not_fit_is_ignored():
+    rng = np.random.default_rng(13)
+    inst = random_instance(rng, 10, True)
+    plain = make_plan(inst, "optimal")
+    for start in [([[0, 1], [2]], [False, False]),            # another number of units
+                  ([[0, 2], [1, 3, 4, 5, 6, 7, 8, 9]], [True, False]),  # not contiguous
+                  ([list(range(10))], [True, False])]:        # flags of another length
+        assert make_plan(inst, "optimal", start=start) == plain
+    # the other strategies take no start
+    greedy = make_plan(inst, "greedy")
+    assert make_plan(inst, "greedy", start=([list(range(10))], [True])) == greedy
+
+
+def test_the_planning_job_starts_from_the_plan_in_use(monkeypatch):
+    """compute_plan hands the job's "start" (the hook's plan in use) to make_plan."""
+    from omgs_hook import plan_job
+
+    seen = []
+    original = plan_job.planner_mod.make_plan
+
+    def recording(inst, strategy, start=None):
+        seen.append(start)
+        return original(inst, strategy, start=start)
+
+    monkeypatch.setattr(plan_job.planner_mod, "make_plan", recording)
+    inst = random_instance(np.random.default_rng(14), 6, False)
+    job = {"instance": inst.to_dict(), "kept": None, "model_key": None, "retrial_ok": True,
+           "start": {"groups": [[0, 1, 2], [3, 4, 5]], "dense": [False, False]}}
+    plan_job.compute_plan(job, "optimal", "model")
+    assert seen[0] == ([[0, 1, 2], [3, 4, 5]], [False, False])
+    seen.clear()
+    plan_job.compute_plan(dict(job, start=None), "optimal", "model")
+    assert seen[0] is None

@@ -1617,6 +1617,10 @@ class OMGSState:
         kept = self.plan
         periodic = (self.select == "measured" and reason == "periodic" and kept is not None
                     and kept.layout == layout and self._model_key is not None)
+        # the plan in use, for the planner as a start (an upper bound; a search the valve
+        # stops returns nothing worse than it on the new numbers)
+        start = ({"groups": kept.unit_groups(), "dense": list(kept.dense)}
+                 if kept is not None and kept.layout == layout else None)
         # a periodic trial compares the kept plan with the new model plan
         longest = plan_selection.trial_steps_bound(2)
         job = {
@@ -1625,9 +1629,10 @@ class OMGSState:
             "reason": reason,
             "overhead_known": bool(inputs["overhead_measured"]),
             "apply_at_step": self.step + PLAN_LAG,
-            "kept": ({"name": kept.strategy, "groups": kept.unit_groups(),
-                      "dense": list(kept.dense), "exchange": kept.exchange}
+            "kept": ({"name": kept.strategy, "groups": start["groups"],
+                      "dense": start["dense"], "exchange": kept.exchange}
                      if periodic else None),
+            "start": start,
             # the model's plans run on the registration's exchange; with topology="auto"
             # resolved two-level the trial also times flat plans, priced on this instance
             "exchange": self._registered_exchange(),

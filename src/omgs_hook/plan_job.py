@@ -27,7 +27,11 @@ def compute_plan(job, strategy, select):
     # exchange) the flat instance whose plans the trial compares with them
     exchange = job.get("exchange")
     flat_inst = Instance.from_dict(job["flat_instance"]) if job.get("flat_instance") else None
-    unit_plan = planner_mod.make_plan(inst, strategy)
+    # the plan in use (same layout) as the search's start: a bound, and the least a
+    # search stopped by the valve returns (jobs of older checkpoints have none)
+    start = job.get("start")
+    start = (start["groups"], start["dense"]) if start else None
+    unit_plan = planner_mod.make_plan(inst, strategy, start=start)
     model_key = plan_key(unit_plan)
     out = {"candidates": None, "plan": None, "reason": "model", "model_key": model_key}
     if select == "model":

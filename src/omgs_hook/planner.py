@@ -197,8 +197,15 @@ def parse_strategy(text) -> str:
 # public entry points
 
 
-def make_plan(inst: Instance, strategy: str = "optimal") -> Plan:
-    """Plan ``inst`` with ``strategy`` (see the module docstring for the strategies)."""
+def make_plan(inst: Instance, strategy: str = "optimal", start=None) -> Plan:
+    """Plan ``inst`` with ``strategy`` (see the module docstring for the strategies).
+
+    ``start``: optional ``(groups, dense flags)`` of a plan known to be good for a similar
+    instance (the hook passes the previous re-plan's model plan). With ``optimal`` on a
+    flat instance its time on ``inst`` is one more upper bound for the search, and a
+    search stopped by the valve returns a plan no worse than it; the optimum found is the
+    same with or without it. Ignored by the other strategies, and when it does not fit
+    ``inst`` (another number of units)."""
     if not isinstance(inst, Instance):
         raise TypeError(f"make_plan expects an Instance, got {type(inst).__name__}")
     strategy = parse_strategy(strategy)
@@ -211,10 +218,27 @@ def make_plan(inst: Instance, strategy: str = "optimal") -> Plan:
         known = [np.cumsum([len(g) for g in greedy_groups(inst)]), np.array([L])]
         if L <= _LAYERWISE_BOUND_UNITS:
             known.append(np.arange(1, L + 1))
-        bounds, modes = _search(inst, prefix_sums, known, boundaries=None)
+        bounds, modes = _search(inst, prefix_sums, known, boundaries=None,
+                                start=_start_plan(inst, start))
         return _finish(inst, strategy, _groups_from_bounds(bounds), modes)
     groups = _rule_groups(inst, strategy, inst)
     return _finish(inst, strategy, groups, best_modes(inst, groups))
+
+
+def _start_plan(inst: Instance, start):
+    """``start`` as ``(bounds, modes)`` for :func:`_search`, or None where it does not fit
+    ``inst`` (it is only a hint: a plan of another layout is no bound for this one)."""
+    if start is None:
+        return None
+    groups, dense = start
+    try:
+        groups = check_groups(groups, inst.num_units)
+    except InstanceError:
+        return None
+    dense = [bool(d) for d in dense] if inst.dense is not None else [False] * len(groups)
+    if len(dense) != len(groups):
+        return None
+    return tuple(g[-1] + 1 for g in groups), tuple(dense)
 
 
 def _rule_groups(inst: Instance, strategy: str, greedy_inst: Instance) -> Groups:
@@ -559,7 +583,7 @@ _DENSE_BEAM_LIVE = 512
 _LAYERWISE_BOUND_UNITS = 4096
 
 
-def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
+def _search(inst: Instance, prefix_sums, known_bounds, boundaries, start=None):
     """Best (bounds, modes): always exact up to :data:`EXACT_UNITS` units.
 
     ``known_bounds`` are groupings (as group end prefixes) whose simple-rule plans give
@@ -608,6 +632,10 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries):
             value, modes = _comm_end(inst, prefix_sums, bounds, rule)
             if value < best_value:
                 best_value, best_plan = value, (tuple(int(b) for b in bounds), modes)
+    if start is not None and boundaries is None:
+        value, modes = _comm_end(inst, prefix_sums, start[0], start[1])
+        if value < best_value:
+            best_value, best_plan = value, (tuple(int(b) for b in start[0]), modes)
 
     if boundaries is not None:
         exact = _FrontierSearch(
