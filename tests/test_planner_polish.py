@@ -124,19 +124,57 @@ def test_polish_is_deterministic():
     assert planner._polish(inst, ps, plan) == planner._polish(inst, ps, plan)
 
 
-def test_polish_stops_after_its_pass_limit(monkeypatch):
-    """One pass: at most one move (the bounded time the valve relies on)."""
+def test_polish_stops_at_its_window_budget(monkeypatch):
+    """The number of windows priced is the bound (what keeps the polish's time small on
+    plans of hundreds of groups): one window, at most one move."""
     layers = tuple(Unit(numel=10_000, backward_s=1e-3) for _ in range(40))
     inst = Instance(layers=layers, world_size=4, density=0.01, forward_s=0.0,
                     comm=LinearCost(2e-3, 1e-8), topk=TopkCost(1e-4, 1e-9, 0.0))
     ps = planner._prefix_sums(inst)
     start = (tuple(range(1, 41)), (False,) * 40)  # layerwise: many merges pay
     full = planner._polish(inst, ps, start)
-    monkeypatch.setattr(planner, "_POLISH_PASSES", 1)
+    calls = []
+    recover = planner._best_recover
+
+    def counting(*args):
+        calls.append(args[4:6])
+        return recover(*args)
+
+    monkeypatch.setattr(planner, "_best_recover", counting)
+    monkeypatch.setattr(planner, "_POLISH_WINDOWS", 1)
     once = planner._polish(inst, ps, start)
+    assert len(calls) == 1
     assert len(once[0]) >= 38  # one move re-covers at most 3 groups with 1
-    assert _time(inst, *once) < _time(inst, *start)
+    assert _time(inst, *once) <= _time(inst, *start)
+    monkeypatch.setattr(planner, "_POLISH_WINDOWS", 50)
+    calls.clear()
+    some = planner._polish(inst, ps, start)
+    assert len(calls) == 50
+    assert _time(inst, *full) <= _time(inst, *some) < _time(inst, *start)
     assert len(full[0]) < len(once[0])
+
+
+def test_polish_time_is_bounded_on_a_plan_of_many_groups():
+    """A 1000-unit plan of 400 groups: the polish stops at its window budget (a sweep
+    alone is 1200 windows) and still improves the plan."""
+    inst = _realistic_dense(4, 1000)
+    ps = planner._prefix_sums(inst)
+    bounds = tuple(int(b) for b in np.linspace(0, 1000, 401)[1:].round())
+    start = (bounds, (False,) * 400)
+    calls = []
+    recover = planner._best_recover
+
+    def counting(*args):
+        calls.append(1)
+        return recover(*args)
+
+    planner._best_recover = counting
+    try:
+        result = planner._polish(inst, ps, start)
+    finally:
+        planner._best_recover = recover
+    assert len(calls) == planner._POLISH_WINDOWS
+    assert _time(inst, *result) < _time(inst, *start)
 
 
 def _realistic_dense(seed, units):
