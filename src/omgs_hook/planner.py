@@ -40,8 +40,8 @@ units, ``optimal`` is always the exact optimum - two exact searches, forward ove
 each joining its states to what the other (or a beam search) found (:func:`_search`).
 Beyond that size, and always with a dense cost (whose fronts can take
 minutes to search exhaustively), :data:`SEARCH_BUDGET` stops a search that has not
-finished; ``optimal`` then returns the best plan found and emits
-:class:`SearchBudgetWarning`.
+finished; ``optimal`` then returns the best plan found, improved by a local search
+(:func:`_polish`), and emits :class:`SearchBudgetWarning`.
 
 Two-level instances (``inst.hierarchy``, see :mod:`omgs_hook.cost_model`): the searches
 run on :func:`~omgs_hook.cost_model.relaxed_instance`, a flat instance whose per-group
@@ -545,8 +545,9 @@ def _exact_modes(inst: Instance, groups) -> Tuple[bool, ...]:
 
 class SearchBudgetWarning(UserWarning):
     """With a dense cost, or beyond :data:`EXACT_UNITS` units: the exact searches hit
-    :data:`SEARCH_BUDGET`; the plan returned is the best one a bounded (beam) search and
-    the heuristics found, not a proven optimum."""
+    :data:`SEARCH_BUDGET`; the plan returned is the best one a bounded (beam) search, the
+    heuristics and the ``start`` plan gave, improved by a local search (:func:`_polish`),
+    not a proven optimum."""
 
 
 # Up to this many units `optimal` without a dense cost is always exact: no budget, no
@@ -875,7 +876,7 @@ def _budget_exceeded(inst: Instance, best_plan):
     warnings.warn(
         f"omgs_hook planner: the exact search over {inst.num_units} units exceeded "
         f"SEARCH_BUDGET={SEARCH_BUDGET} candidate states; using the best plan found by a "
-        f"beam search and the heuristics (not proven optimal)",
+        f"beam search and the heuristics, improved by a local search (not proven optimal)",
         SearchBudgetWarning,
         stacklevel=4,
     )
