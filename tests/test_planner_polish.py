@@ -257,7 +257,11 @@ def test_a_start_plan_does_not_change_the_optimum(dense):
             warnings.simplefilter("ignore", SearchBudgetWarning)
             plain = make_plan(inst, "optimal")
             started = make_plan(inst, "optimal", start=start)
+            # the optimum itself as the start: the bound is then tight from the first turn
+            tight = make_plan(inst, "optimal", start=(plain.groups, plain.dense))
         assert math.isclose(started.predicted_iteration_s, plain.predicted_iteration_s,
+                            rel_tol=1e-9)
+        assert math.isclose(tight.predicted_iteration_s, plain.predicted_iteration_s,
                             rel_tol=1e-9)
 
 
@@ -269,6 +273,8 @@ def test_a_start_plan_that_does_not_fit_is_ignored():
                   ([[0, 2], [1, 3, 4, 5, 6, 7, 8, 9]], [True, False]),  # not contiguous
                   ([list(range(10))], [True, False])]:        # flags of another length
         assert make_plan(inst, "optimal", start=start) == plain
+    with pytest.raises(TypeError, match="start must be"):
+        make_plan(inst, "optimal", start=[[0, 1, 2]])
     # the other strategies take no start
     greedy = make_plan(inst, "greedy")
     assert make_plan(inst, "greedy", start=([list(range(10))], [True])) == greedy

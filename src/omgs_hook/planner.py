@@ -201,7 +201,7 @@ def make_plan(inst: Instance, strategy: str = "optimal", start=None) -> Plan:
     """Plan ``inst`` with ``strategy`` (see the module docstring for the strategies).
 
     ``start``: optional ``(groups, dense flags)`` of a plan known to be good for a similar
-    instance (the hook passes the previous re-plan's model plan). With ``optimal`` on a
+    instance (the hook passes the plan in use at each re-plan). With ``optimal`` on a
     flat instance its time on ``inst`` is one more upper bound for the search, and a
     search stopped by the valve returns a plan no worse than it; the optimum found is the
     same with or without it. Ignored by the other strategies, and when it does not fit
@@ -230,7 +230,11 @@ def _start_plan(inst: Instance, start):
     ``inst`` (it is only a hint: a plan of another layout is no bound for this one)."""
     if start is None:
         return None
-    groups, dense = start
+    try:
+        groups, dense = start
+    except (TypeError, ValueError):
+        raise TypeError(f"make_plan: start must be (groups, dense flags), got "
+                        f"{type(start).__name__}") from None
     try:
         groups = check_groups(groups, inst.num_units)
     except InstanceError:
