@@ -300,3 +300,50 @@ def test_the_planning_job_starts_from_the_plan_in_use(monkeypatch):
     seen.clear()
     plan_job.compute_plan(dict(job, start=None), "optimal", "model")
     assert seen[0] is None
+
+
+# ----------------------------------------------------------------------- the fast prediction
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_predicted_iteration_s_agrees_with_evaluate(dense):
+    rng = np.random.default_rng(21 if dense else 22)
+    for _ in range(60):
+        inst = random_instance(rng, int(rng.integers(1, 30)), dense)
+        inst = dataclasses.replace(inst, tail_s=float(rng.uniform(0, 0.01)))
+        bounds, modes = _random_plan(rng, inst)
+        groups = [list(g) for g in planner._groups_from_bounds(bounds)]
+        flags = list(modes) if dense else (None if rng.random() < 0.5 else [False] * len(groups))
+        expected = planner.evaluate(inst, groups, flags).predicted_iteration_s
+        assert math.isclose(planner.predicted_iteration_s(inst, groups, flags), expected,
+                            rel_tol=1e-9)
+
+
+def test_predicted_iteration_s_leaves_the_rest_to_evaluate(monkeypatch):
+    """Free modes with a dense cost, groups that are not runs, and flags without a dense
+    cost go to evaluate (which chooses the modes or raises its error)."""
+    rng = np.random.default_rng(23)
+    inst = random_instance(rng, 6, True)
+    calls = []
+    evaluate = planner.evaluate
+
+    def recording(*args, **kwargs):
+        calls.append(args[1])
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "evaluate", recording)
+    planner.predicted_iteration_s(inst, [[0, 1, 2], [3, 4, 5]], None)  # free modes
+    assert len(calls) == 1
+    planner.predicted_iteration_s(inst, [[0, 1, 2], [3, 4, 5]], [True, False])
+    assert len(calls) == 1  # the fast path
+    from omgs_hook.cost_model import InstanceError
+
+    with pytest.raises(InstanceError):
+        planner.predicted_iteration_s(inst, [[0, 2, 1], [3, 4, 5]], [False, False])
+    with pytest.raises(InstanceError):
+        planner.predicted_iteration_s(inst, [[0, 5, 2], [3, 4, 1]], [False, False])
+    sparse = dataclasses.replace(inst, dense=None)
+    with pytest.raises(InstanceError):
+        planner.predicted_iteration_s(sparse, [[0, 1, 2], [3, 4, 5]], [True, False])
+    with pytest.raises(InstanceError):
+        planner.predicted_iteration_s(inst, [[0, 1, 2], [3, 4]], [False, False])

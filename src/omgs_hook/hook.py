@@ -1698,8 +1698,9 @@ class OMGSState:
         refit = self._refit_correction(plan.layout, plan.exchange)
         if refit is not None:
             instance = refit
-        predicted = planner_mod.evaluate(instance, plan.unit_groups(),
-                                         dense=list(plan.dense)).predicted_iteration_s
+        # (the planner's vectorised walk: this runs on the autograd thread)
+        predicted = planner_mod.predicted_iteration_s(instance, plan.unit_groups(),
+                                                      list(plan.dense))
         self._model_check = {
             "step": self.step, "kind": kind, "strategy": plan.strategy,
             "groups": len(plan.groups),
@@ -1744,8 +1745,8 @@ class OMGSState:
             dense = list(c["dense"]) if model.dense is not None else None
             if dense is None and any(c["dense"]):
                 continue
-            predicted = planner_mod.evaluate(model, c["groups"], dense=dense)
-            candidates.append(dict(c, predicted_s=predicted.predicted_iteration_s))
+            predicted = planner_mod.predicted_iteration_s(model, c["groups"], dense)
+            candidates.append(dict(c, predicted_s=predicted))
         fit = plan_selection.fit_correction(candidates, [u.numel for u in base.layers])
         if fit is None:
             return None
