@@ -791,17 +791,9 @@ def _group_terms(inst: Instance, prefix_sums, lo, hi):
     """``((X, Y) sparse, (X, Y) dense)`` of the groups of units ``lo .. hi-1`` (arrays
     broadcast): the compute-stream and network times :func:`_comm_end` uses (dense
     ``None`` without a dense cost). Every group must hold at least one unit."""
-    numel_prefix, backward_prefix = prefix_sums
-    numel = numel_prefix[hi] - numel_prefix[lo]
-    backward = backward_prefix[hi] - backward_prefix[lo]
-    topk = inst.topk.c0 + inst.topk.c1 * numel + inst.topk.c2 * numel * np.log2(numel)
-    k = np.maximum(1.0, np.ceil(inst.density * numel))
-    sparse_y = inst.comm.alpha_s + inst.comm.beta_s_per_byte * (
-        k * (inst.value_bytes + inst.index_bytes))
-    if inst.dense is None:
-        return (backward + topk, sparse_y), None
-    dense_y = inst.dense.alpha_s + inst.dense.beta_s_per_byte * (inst.value_bytes * numel)
-    return (backward + topk, sparse_y), (backward, dense_y)
+    backward, topk, sparse_comm, dense_comm = _group_costs(inst, prefix_sums, lo, hi)
+    return (backward + topk, sparse_comm), (
+        None if dense_comm is None else (backward, dense_comm))
 
 
 def _heads_and_tails(inst: Instance, prefix_sums, bounds, modes):
@@ -809,11 +801,7 @@ def _heads_and_tails(inst: Instance, prefix_sums, bounds, modes):
     the suffix ``(Ys, G)`` of the groups from ``j`` on (``Ys`` their network time, ``G``
     the latest network end counted from their first compute)."""
     m = len(bounds)
-    x, y = [], []
-    for lo, hi, dense in zip([0] + list(bounds[:-1]), bounds, modes):
-        xj, yj = _group_terms(inst, prefix_sums, lo, hi)[dense]
-        x.append(float(xj))
-        y.append(float(yj))
+    x, y, _ = _group_times(inst, prefix_sums, bounds, tuple(modes))
     head_c, head_e = [0.0], [0.0]
     for j in range(m):
         c = head_c[-1] + x[j]
@@ -924,6 +912,45 @@ def _groups_from_bounds(bounds: Sequence[int]) -> Groups:
     return tuple(tuple(range(a, b)) for a, b in zip(starts, bounds))
 
 
+def _group_costs(inst: Instance, prefix_sums, lo, hi):
+    """``(backward, top-k, sparse collective, dense collective or None)`` seconds of the
+    groups of units ``lo .. hi-1`` (arrays broadcast; every group at least one unit): the
+    per-group terms of the timeline, with numpy, for many groups at once."""
+    numel_prefix, backward_prefix = prefix_sums
+    numel = numel_prefix[hi] - numel_prefix[lo]
+    backward = backward_prefix[hi] - backward_prefix[lo]
+    topk = inst.topk.c0 + inst.topk.c1 * numel + inst.topk.c2 * numel * np.log2(numel)
+    k = np.maximum(1.0, np.ceil(inst.density * numel))
+    sparse_comm = inst.comm.alpha_s + inst.comm.beta_s_per_byte * (
+        k * (inst.value_bytes + inst.index_bytes)
+    )
+    if inst.dense is None:
+        return backward, topk, sparse_comm, None
+    dense_comm = inst.dense.alpha_s + inst.dense.beta_s_per_byte * (inst.value_bytes * numel)
+    return backward, topk, sparse_comm, dense_comm
+
+
+def _group_times(inst: Instance, prefix_sums, bounds, modes):
+    """``(X, Y, modes)`` of the groups ending at prefixes ``bounds``: per group its time on
+    the compute stream and on the network (lists), and its dense flags. ``modes`` as in
+    :func:`_comm_end`."""
+    ends = np.asarray(bounds, dtype=np.int64)
+    starts = np.concatenate(([0], ends[:-1]))
+    backward, topk, comm, dense_comm = _group_costs(inst, prefix_sums, starts, ends)
+    if modes == "sparse" or dense_comm is None:
+        use_dense = np.zeros(ends.size, dtype=bool)
+    else:
+        if modes == "dense":
+            use_dense = np.ones(ends.size, dtype=bool)
+        elif modes == "cheaper":
+            use_dense = dense_comm < topk + comm
+        else:
+            use_dense = np.asarray(modes, dtype=bool)
+        comm = np.where(use_dense, dense_comm, comm)
+    step_compute = np.where(use_dense, backward, backward + topk)
+    return step_compute.tolist(), comm.tolist(), tuple(use_dense.tolist())
+
+
 def _comm_end(inst: Instance, prefix_sums, bounds, modes) -> Tuple[float, Tuple[bool, ...]]:
     """``(e_m, modes)`` of the groups ending at prefixes ``bounds``.
 
@@ -933,33 +960,12 @@ def _comm_end(inst: Instance, prefix_sums, bounds, modes) -> Tuple[float, Tuple[
     per-group terms are computed with numpy at once; the result agrees with
     :func:`simulate` up to rounding.
     """
-    numel_prefix, backward_prefix = prefix_sums
-    ends = np.asarray(bounds, dtype=np.int64)
-    starts = np.concatenate(([0], ends[:-1]))
-    numel = numel_prefix[ends] - numel_prefix[starts]
-    backward = backward_prefix[ends] - backward_prefix[starts]
-    topk = inst.topk.c0 + inst.topk.c1 * numel + inst.topk.c2 * numel * np.log2(numel)
-    k = np.maximum(1.0, np.ceil(inst.density * numel))
-    comm = inst.comm.alpha_s + inst.comm.beta_s_per_byte * (
-        k * (inst.value_bytes + inst.index_bytes)
-    )
-    if modes == "sparse" or inst.dense is None:
-        use_dense = np.zeros(numel.size, dtype=bool)
-    else:
-        dense_comm = inst.dense.alpha_s + inst.dense.beta_s_per_byte * (inst.value_bytes * numel)
-        if modes == "dense":
-            use_dense = np.ones(numel.size, dtype=bool)
-        elif modes == "cheaper":
-            use_dense = dense_comm < topk + comm
-        else:
-            use_dense = np.asarray(modes, dtype=bool)
-        comm = np.where(use_dense, dense_comm, comm)
-    step_compute = np.where(use_dense, backward, backward + topk)
+    step_compute, comm, use_dense = _group_times(inst, prefix_sums, bounds, modes)
     compute = network = 0.0
-    for x, y in zip(step_compute.tolist(), comm.tolist()):
+    for x, y in zip(step_compute, comm):
         compute += x
         network = (network if network > compute else compute) + y
-    return network, tuple(use_dense.tolist())
+    return network, use_dense
 
 
 def _unit_arrays(inst: Instance):
