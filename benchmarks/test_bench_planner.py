@@ -27,8 +27,9 @@ group:
   ms on the others), "slow network, dense" never (90-125 ms, seed 4 about 280-340 ms).
   So these benchmarks are marked ``xfail`` (not strict: the instances that
   finish within the budget pass); they still record the time per plan. How far the
-  stopped plans are from the optimum: ``scripts/dense_plan_gap.py`` (realistic seeds 0-4:
-  +0.0012%, +0.069%, +0.0001%, +3.5%, +0.009%; docs/cost-model.md).
+  stopped plans are from the optimum: ``scripts/dense_plan_gap.py`` (realistic seeds 0-4,
+  with the polish at the valve: +0.0012%, +0.033%, +0.00004%, +0.17%, +0.013%; before it
+  up to +3.5%; docs/cost-model.md).
 
 Random instances (:func:`random_case`, the adversarial classes of docs/cost-model.md):
 wide-ranging sparse instances with ``c2 = 0`` and ``c2 > 0``, a network 10-200x slower

@@ -269,14 +269,12 @@ def main(argv=None):
     parser.add_argument("--strategy", choices=STRATEGIES, default="single",
                         help="single: the buckets form one sparse group; layerwise: one group "
                              "per bucket (default single)")
-    parser.add_argument("--density", type=float, default=DENSITY,
+    parser.add_argument("--density", type=cli_types.density, default=DENSITY,
                         help=f"the hook's density (default {DENSITY})")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.buckets < 1:
         parser.error(f"--buckets: must be >= 1, got {args.buckets}")
-    if not 0 < args.density <= 1:
-        parser.error(f"--density: must be in (0, 1], got {args.density}")
     sizes = args.sizes if isinstance(args.sizes, list) else [
         int(float(s)) for s in args.sizes.split(",") if s.strip()]
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -19,34 +19,29 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import os
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 
 from omgs_hook import planner
 from omgs_hook.planner import SearchBudgetWarning, make_plan
 
+# as in bench_cluster.py: scripts/profile.py must not shadow the standard library's
+_SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _SCRIPT_DIR]
+sys.path.append(_SCRIPT_DIR)
 
-def _compare_strategies():
-    name = "compare_strategies"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).resolve().parent / "compare_strategies.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+import compare_strategies  # noqa: E402  (after sys.path)
 
 
 def instance(seed, units):
     """The benchmark's realistic dense instance for ``seed``."""
-    return _compare_strategies().realistic_instance(np.random.default_rng(seed), units, True,
-                                                    "mixed")
+    return compare_strategies.realistic_instance(np.random.default_rng(seed), units, True,
+                                                 "mixed")
 
 
 def _timed_plan(inst):
