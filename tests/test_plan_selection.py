@@ -571,6 +571,29 @@ def test_fit_correction_is_not_tilted_by_one_candidate_far_off_the_line():
     assert got.sparse_group_s == pytest.approx(0.001, rel=1e-9)
 
 
+def test_fit_correction_never_leaves_out_a_point_below_its_line():
+    """CI's selection trial (2026-12-04, the test Net's six buckets): the model's plan sends
+    three small buckets dense and measured 90 ms above the model, the all-dense plan 39 ms.
+    Leaving out the all-dense point fitted the dense term to the small dense group alone
+    and priced the all-dense plan at 522 ms; only a point above the line may be left out
+    (noise adds time), so the fit keeps the all-dense point and leaves out the other."""
+    numels = [8, 256, 32, 1024, 32, 512]
+    singles = [[i] for i in range(6)]
+    plans = [([[0, 1, 2], [3, 4, 5]], [True, False], 0.0055, 0.0967),
+             ([list(range(6))], [False], 0.0055, 0.0165),
+             (singles, [True] * 6, 0.0075, 0.0465),
+             (singles, [False] * 6, 0.0062, 0.0240),
+             ([[0, 1, 2], [3, 4, 5]], [False, False], 0.0056, 0.0180),
+             ([[0, 1, 2, 3], [4, 5]], [False, False], 0.0056, 0.0180)]
+    candidates = [{"groups": g, "dense": d, "predicted_s": p, "measured_s": m}
+                  for g, d, p, m in plans]
+    got = fit_correction(candidates, numels)
+    refit = [p + got.extra_s(*plan_features(g, d, numels)) for g, d, p, _ in plans]
+    for (_, _, _, measured), priced in zip(plans[1:], refit[1:]):
+        assert priced == pytest.approx(measured, abs=2e-4)
+    assert refit[0] < plans[0][3]  # the one left out lies above the line
+
+
 # ------------------------------------------------------------------ flat against two-level
 def test_flat_candidates_join_a_two_level_set_last_and_within_the_limit():
     from omgs_hook.cost_model import hierarchical_instance

@@ -705,27 +705,36 @@ def _solve(rows, targets):
 
 def _least_absolute(rows, targets):
     """The ``x`` with the least sum of ``|rows @ x - targets|`` over all points but the
-    one it fits worst (all points when there are fewer than two more points than terms);
-    None when every square subsystem is singular.
+    one furthest *above* it (all points when there are fewer than two more points than
+    terms, or none lies above); None when every square subsystem is singular.
 
     Why trimmed: on a busy CPU one candidate can sit far off any line - LAGS-SGD's
     9 groups on the README job measured 116 ms above the model where the other five were
     within 6-12 ms - and as the plan with the most groups it has the leverage to tilt a
     least-squares (or even a least-absolute) fit: 15 ms per sparse group and -18 ms of
     constant, which priced the 3-group winner 38-60% too slow once the group term was
-    applied without the constant. Dropping the worst point leaves the others' line. The
-    fit passes through as many points as it has terms, so it is found among the exact
-    solutions of each such choice of points (a trial has at most a few candidates and
-    three terms: at most a few hundred tiny systems)."""
+    applied without the constant. Dropping the worst point leaves the others' line. A
+    least-absolute fit passes through as many points as it has terms, so it is sought
+    among the exact solutions of each such choice of points (a trial has at most a few candidates and
+    three terms: at most a few hundred tiny systems).
+
+    Why only a point above the line: what throws a step off on a busy machine (a load
+    spell, a straggler) adds time, never takes it away. A point left out *below* the
+    line means the line runs through the wrong points: on the selection test's trial
+    (2026-12-04) leaving out the all-dense plan (6 dense groups, 47 ms) fitted the dense
+    term to one small dense group 90 ms above the model, and priced the all-dense plan
+    at 523 ms."""
     n = len(rows[0])
-    keep = len(rows) - 1 if len(rows) >= n + 2 else len(rows)
+    trim = len(rows) >= n + 2
     best, best_cost = None, math.inf
     for chosen in itertools.combinations(range(len(rows)), n):
         x = _solve([rows[i] for i in chosen], [targets[i] for i in chosen])
         if x is None:
             continue
-        errors = sorted(abs(sum(a * b for a, b in zip(r, x)) - t) for r, t in zip(rows, targets))
-        cost = sum(errors[:keep])
+        residuals = [t - sum(a * b for a, b in zip(r, x)) for r, t in zip(rows, targets)]
+        cost = sum(abs(e) for e in residuals)
+        if trim:
+            cost -= max(0.0, max(residuals))
         if cost < best_cost * (1 - 1e-12):
             best, best_cost = x, cost
     return best
