@@ -265,3 +265,54 @@ def test_tail_excess_is_the_gap_beyond_the_usual_one(monkeypatch):
             meter.step_finished(finish)
     assert excess[:4] == [0.0, 0.0, 0.0, 0.0]
     assert excess[4] == pytest.approx(10.0)  # gap 12 against the median 2
+
+
+def _loop_gaps(fwd_end, arrive, sends):
+    """The per-bucket backward rule written out one bucket at a time (the reference)."""
+    out = []
+    for i, arrival in enumerate(arrive):
+        if i == 0:
+            gap = arrival - fwd_end if fwd_end is not None else 0.0
+        else:
+            gap = (arrival - arrive[i - 1]) - (sends[i - 1][1] - sends[i - 1][0])
+        out.append(max(0.0, gap))
+    return out
+
+
+def test_backward_gaps_equal_the_one_bucket_at_a_time_rule_bit_for_bit():
+    import random
+
+    rng = random.Random(3)
+    for n in (1, 2, 7, 1000):
+        t = 1e4 * rng.random()  # perf_counter-like magnitudes: rounding matters
+        arrive, sends = [], []
+        for _ in range(n):
+            t += rng.random() * 1e-3
+            arrive.append(t)
+            start = t + rng.random() * 1e-4
+            sends.append((start, start + rng.random() * 2e-3))  # may exceed the gap: clamped
+        sends.append((0.0, 0.0))  # a flush send after the last bucket is ignored
+        for fwd_end in (None, arrive[0] - 0.25):
+            got = measurements.backward_gaps(fwd_end, arrive, sends)
+            assert got.tolist() == _loop_gaps(fwd_end, arrive, sends)
+            assert (got >= 0).all()
+    assert measurements.backward_gaps(None, [], []).tolist() == []
+
+
+def test_the_host_clock_meter_stores_arrays_and_restores_plain_floats():
+    class HostFake(measurements.CpuClock):  # the meter's host path, with marks set by hand
+        now = 0.0
+
+        def mark(self):
+            return self.now
+
+    meter = BackwardMeter(window=4)
+    clock = meter.clock = HostFake()
+    layout = (("a",), ("b",), ("c",))
+    run_step(meter, clock, [(3.0, 3.5, 5.5), (7.0, 7.25, 7.25), (9.0, 9.0, 12.0)], layout, step=0)
+    assert meter.backward_s() == [2.0, 2.0, 2.0]
+    state = meter.state_dict()
+    assert all(type(x) is float for row in state["samples"] for x in row)
+    restored = BackwardMeter(window=4)
+    restored.load_state_dict(state)
+    assert restored.backward_s() == meter.backward_s()

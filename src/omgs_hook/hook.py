@@ -1556,7 +1556,7 @@ class OMGSState:
         """This rank's per-step timelines for ``layout`` as a flat fixed-size row (a
         window of ``[step, tail, forward, backward per bucket]``, -1 where empty)."""
         width = len(layout) + 2
-        own = self.meter.timelines() if self.meter.layout == layout else []
+        own = self.meter.timeline_rows() if self.meter.layout == layout else []
         # numpy rows, no Python float per element: with 1000 buckets the window is 32k
         # numbers, and this runs on the autograd thread
         table = np.full((self.meter.window, width + 1), -1.0, dtype=np.float64)
