@@ -355,17 +355,26 @@ def background_worker(rank, world_size, steps, slow_rank_sleep_s):
     hook_mod.planner_mod.make_plan = make_plan
     model, ddp, state, opt = build(rank, fake_clock=False, select="model", replan_every=4)
     submitted, applied = [], []
-    submit, apply = state._submit_plan_job, state._apply_plan_result
+    submit, apply = state._submit_plan_job, state._put_plans_in_use
 
     def record_submit(job):
         submitted.append(state.step)
         submit(job)
 
-    def record_apply(result):
+    def record_apply(result, plans):
         applied.append(state.step)
-        apply(result)
+        apply(result, plans)
 
-    state._submit_plan_job, state._apply_plan_result = record_submit, record_apply
+    state._submit_plan_job, state._put_plans_in_use = record_submit, record_apply
+    gather, gathered_by = state._gather_rows, []
+
+    def record_gather(*args, **kwargs):
+        import sys
+
+        gathered_by.append(sys._getframe(1).f_code.co_name)
+        return gather(*args, **kwargs)
+
+    state._gather_rows = record_gather
     for step in range(steps):  # steps of ~20 ms, so a slow plan spans several of them
         train_steps(ddp, opt, step, step + 1, rank)
         time.sleep(0.02)
@@ -375,7 +384,8 @@ def background_worker(rank, world_size, steps, slow_rank_sleep_s):
     hook_mod.planner_mod.make_plan = original
     return {"on_main_thread": threads, "submitted": submitted, "applied": applied,
             "wait": stats["planner_wait_s"], "replans": stats["total"]["replans"],
-            "stall": stats["replan_stall_s"]}
+            "stall": stats["replan_stall_s"], "gathered_by": gathered_by,
+            "history": stats["plan_history"]}
 
 
 @pytest.mark.timeout(180)
@@ -394,6 +404,12 @@ def test_re_planning_runs_off_the_autograd_thread_and_every_rank_switches_at_the
     # nobody waited for a planner: the slow plan cost no step more than its small gather
     assert slow["wait"] == 0.0 and fast["wait"] == 0.0
     assert slow["stall"]["max"] < 0.5 and fast["stall"]["max"] < 0.5
+    # the switch itself gathers nothing at bucket 0: the readiness flags and the plans'
+    # checksums travel in an all-gather issued at the end of the step before; rank 0's
+    # plans, polled at a probe while rank 1 was still planning, went into use with
+    # rank 1's, at the same step, identical
+    assert "_begin_step" not in fast["gathered_by"] + slow["gathered_by"]
+    assert fast["history"] == slow["history"] and len(fast["history"]) >= 2
 
 
 def start_worker(rank, world_size, steps):

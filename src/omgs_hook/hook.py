@@ -636,6 +636,10 @@ class OMGSState:
         self._plan_history = []
         self._planner = BackgroundPlanner()
         self._plan_job = None  # the inputs of the plan being computed (plain values)
+        # (job, future, flags) of the readiness all-gather issued at the end of a step
+        # whose next step may switch to the job's plan; see _issue_ready_probe
+        self._ready_probe = None
+        self._polled = None  # (job, result) polled for a probe, until every rank is ready
         self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
         self._numels_of = None  # (layout, elements per bucket); see _layout_numels
         self._coarse_warned = False
@@ -978,12 +982,38 @@ class OMGSState:
                 entered += exchange.waited_s
                 self._note_step_params()
                 self._end_step(exchange)
+                self._issue_ready_probe()
             exchange.hook_s += time.perf_counter() - entered
         except BaseException as exc:
             if exchange is not None:
                 exchange.fail_all(exc)
             raise
         return future
+
+    def _issue_ready_probe(self):
+        """At the end of a step after which the pending plan job may be put in use (the
+        next step is at or past its ``apply_at_step``): start the all-gather of every
+        rank's readiness flag, read at the next step's bucket 0. Issued at the same point
+        of the same steps on every rank (after this step's collectives and re-plan)."""
+        job = self._plan_job
+        if job is None or self.step < int(job["apply_at_step"]):
+            return
+        if self._polled is not None and self._polled[0] is not job:
+            self._polled = None  # (polled for a job replaced since)
+        if self._polled is None and self._planner.ready:
+            self._polled = (job, self._planner.poll(self.step))
+        # this rank's plans now (made from the plan in use at this point: the same on
+        # every rank), so that their checksums travel with the flag: the switch then
+        # needs no blocking gather at all
+        plans = self._plans_of(job, self._polled[1]) if self._polled is not None else None
+        width = 1 + plan_selection.MAX_CANDIDATES
+        row = [1] + self._checksum_row(plans) if plans is not None else [0] * (1 + width)
+        values = torch.tensor(row, dtype=torch.int64, device=self._device)
+        out = torch.empty(self.world_size * values.numel(), dtype=torch.int64,
+                          device=self._device)
+        work = communicator.all_gather_flat(out, values, group=self.process_group,
+                                            async_op=True)
+        self._ready_probe = (job, work, out, plans)
 
     def _note_step_params(self):
         """The step's parameters and their versions (read before the optimizer can run:
@@ -1035,14 +1065,38 @@ class OMGSState:
                 # the load probe: this step's forward, run after the previous step's
                 # exchange finished (compute only, whatever the plan)
                 self._trial.record(previous[0], step_s, self._load_probe())
+        probe, self._ready_probe = self._ready_probe, None
+        if probe is not None:
+            probe[1].wait()  # (issued on every rank at the same point: it completes)
+            if probe[0] is not self._plan_job:
+                probe = None  # for a job replaced since: its flags are not used
         if self._plan_job is not None and self.step >= int(self._plan_job["apply_at_step"]):
             started = time.perf_counter()
             # Switch once every rank's planner has finished, decided from gathered flags
             # (the same on every rank): a slow plan (a large search) never holds a step,
-            # the plan in use stays until then, at one tiny all-gather per step.
-            ready = self._gather_rows([1.0 if self._planner.ready else 0.0])
-            if float(ready.min()) > 0:
-                self._apply_plan_result(self._planner.poll(self.step))
+            # the plan in use stays until then, at one tiny all-gather per step. The
+            # flags and the plans' checksums were gathered at the end of the previous
+            # step, asynchronously (two blocking gathers here waited for the other rank
+            # to reach its bucket 0: most of the worst stalls at 1000 buckets). A step
+            # no probe was issued for (the first after a resume) gathers them here.
+            if probe is not None:
+                table = probe[2].view(self.world_size, -1).cpu()
+                if int(table[:, 0].min()) > 0:
+                    result, self._polled = self._polled[1], None
+                    self._check_plan_checksums(table[:, 1:])
+                    self._put_plans_in_use(result, probe[3])
+            else:
+                polled = (self._polled if self._polled is not None
+                          and self._polled[0] is self._plan_job else None)
+                ready = self._gather_rows([1.0 if polled is not None or self._planner.ready
+                                           else 0.0])
+                if float(ready.min()) > 0:
+                    result = polled[1] if polled is not None else self._planner.poll(self.step)
+                    plans = self._plans_of(self._plan_job, result)
+                    self._polled = None
+                    self._check_plan_checksums(self._gather_rows(self._checksum_row(plans),
+                                                                 dtype=torch.int64))
+                    self._put_plans_in_use(result, plans)
             self._note_stall(time.perf_counter() - started)
         if self._trial is not None:
             self._advance_trial()
@@ -1766,30 +1820,41 @@ class OMGSState:
         self._planner.submit(_compute_plan, job, self.strategy, self.select,
                              apply_at_step=int(job["apply_at_step"]), isolate=isolate)
 
-    def _apply_plan_result(self, result):
-        """At bucket 0 of the agreed step: check every rank got the same plans (one small
-        all-gather of checksums) and put the result in use."""
-        job, self._plan_job = self._plan_job, None
+    def _plans_of(self, job, result):
+        """The GroupPlans of a planner ``result`` for ``job``, made at ``self.step`` (the
+        step they go into use at)."""
         layout = tuple(tuple(b) for b in job["layout"])
-        # a trial still running was made for another layout ("layout" re-plans are the
-        # only ones a trial lets through): the new plans replace it
-        self._trial, self._trial_plans = None, []
         candidates = result["candidates"]
         if candidates:
-            plans = [self._group_plan(c, layout, self.step) for c in candidates]
-        elif result["plan"] is None:  # keep the plan in use (the measured winner)
-            plans = [dataclasses.replace(self.plan, made_at_step=self.step)]
-        else:
-            plans = [self._group_plan(result["plan"], layout, self.step)]
+            return [self._group_plan(c, layout, self.step) for c in candidates]
+        if result["plan"] is None:  # keep the plan in use (the measured winner)
+            return [dataclasses.replace(self.plan, made_at_step=self.step)]
+        return [self._group_plan(result["plan"], layout, self.step)]
+
+    @staticmethod
+    def _checksum_row(plans):
         width = 1 + plan_selection.MAX_CANDIDATES
-        row = ([len(plans)] + [p.checksum() for p in plans] + [0] * width)[:width]
-        table = self._gather_rows(row, dtype=torch.int64)
-        if any(len(set(table[:, col].tolist())) > 1 for col in range(width)):
+        return ([len(plans)] + [p.checksum() for p in plans] + [0] * width)[:width]
+
+    def _check_plan_checksums(self, table):
+        """``table``: every rank's :meth:`_checksum_row`; raise unless they are equal."""
+        if any(len(set(table[:, col].tolist())) > 1 for col in range(table.shape[1])):
             raise RuntimeError(
                 f"omgs_hook: ranks computed different plans at step {self.step} "
                 f"(checksums {table[:, 1].tolist()}); refusing to continue with mismatched "
                 "collectives"
             )
+
+    def _put_plans_in_use(self, result, plans):
+        """Put the pending job's ``plans`` (checked equal on every rank) in use from this
+        step (a rank that polled its result at an earlier probe made them then)."""
+        job, self._plan_job = self._plan_job, None
+        plans = [dataclasses.replace(p, made_at_step=self.step) for p in plans]
+        layout = tuple(tuple(b) for b in job["layout"])
+        # a trial still running was made for another layout ("layout" re-plans are the
+        # only ones a trial lets through): the new plans replace it
+        self._trial, self._trial_plans = None, []
+        candidates = result["candidates"]
         if candidates:
             self._model_key = result["model_key"]
             self._flat_model_key = result.get("flat_key")
