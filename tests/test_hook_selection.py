@@ -587,3 +587,48 @@ def test_the_loops_own_work_between_steps_is_not_charged_to_a_trial_candidate():
     measured = [c["measured_s"] for c in report["candidates"] if c.get("measured_s")]
     assert len(measured) >= 2
     assert max(measured) < 0.15, report["candidates"]
+
+
+def failing_planner_worker(rank, world_size, steps):
+    """The first plan job fails on every rank: where does the error come out?"""
+    from omgs_hook import hook as hook_mod
+
+    def make_plan(*args, **kwargs):
+        raise RuntimeError("planner boom")
+
+    hook_mod.planner_mod.make_plan = make_plan
+    model, ddp, state, opt = build(rank, fake_clock=False, select="model")
+    seen = {}
+    original_begin = state._begin_step
+
+    def begin(bucket):
+        seen["bucket0_step"] = state.step
+        return original_begin(bucket)
+
+    state._begin_step = begin
+    try:
+        for step in range(steps):
+            train_steps(ddp, opt, step, step + 1, rank)
+            while state._planner.pending and not state._planner.ready:
+                import time
+
+                time.sleep(0.005)
+    except RuntimeError as exc:
+        seen["error"] = str(exc)
+    seen["residual_entries"] = len(state.state_dict()["residuals"])
+    del ddp, state
+    gc.collect()
+    return seen
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_plan_job_raises_at_the_switch_step_on_every_rank():
+    from omgs_hook.hook import PLAN_LAG
+
+    results = run_ranks("test_hook_selection", "failing_planner_worker", world_size=2, steps=12)
+    for r in results:
+        assert "planner boom" in r.get("error", ""), r
+        # raised at bucket 0 of the agreed step (warm-up 2 steps, planned at the end
+        # of step 1, agreed step 2 later), not inside the step before it
+        assert r["bucket0_step"] == results[0]["bucket0_step"] == 2 + PLAN_LAG
+        assert r["residual_entries"] > 0

@@ -640,6 +640,7 @@ class OMGSState:
         # whose next step may switch to the job's plan; see _issue_ready_probe
         self._ready_probe = None
         self._polled = None  # (job, result) polled for a probe, until every rank is ready
+        self._probe_error = None  # what polling for a probe raised (see _issue_ready_probe)
         self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
         self._numels_of = None  # (layout, elements per bucket); see _layout_numels
         self._coarse_warned = False
@@ -1000,12 +1001,19 @@ class OMGSState:
             return
         if self._polled is not None and self._polled[0] is not job:
             self._polled = None  # (polled for a job replaced since)
-        if self._polled is None and self._planner.ready:
-            self._polled = (job, self._planner.poll(self.step))
-        # this rank's plans now (made from the plan in use at this point: the same on
-        # every rank), so that their checksums travel with the flag: the switch then
-        # needs no blocking gather at all
-        plans = self._plans_of(job, self._polled[1]) if self._polled is not None else None
+        plans = None
+        try:
+            if self._polled is None and self._planner.ready:
+                self._polled = (job, self._planner.poll(self.step))
+            # this rank's plans now (made from the plan in use at this point: the same
+            # on every rank), so that their checksums travel with the flag: the switch
+            # then needs no blocking gather at all
+            if self._polled is not None:
+                plans = self._plans_of(job, self._polled[1])
+        except Exception as exc:  # noqa: BLE001 - raised at the next bucket 0
+            # A failed plan job raises where it always did, at the switch (this step's
+            # exchange is complete and stays so); this rank reports itself not ready.
+            self._polled, self._probe_error = None, exc
         width = 1 + plan_selection.MAX_CANDIDATES
         row = [1] + self._checksum_row(plans) if plans is not None else [0] * (1 + width)
         values = torch.tensor(row, dtype=torch.int64, device=self._device)
@@ -1068,6 +1076,9 @@ class OMGSState:
         probe, self._ready_probe = self._ready_probe, None
         if probe is not None:
             probe[1].wait()  # (issued on every rank at the same point: it completes)
+            error, self._probe_error = self._probe_error, None
+            if error is not None:
+                raise error
             if probe[0] is not self._plan_job:
                 probe = None  # for a job replaced since: its flags are not used
         if self._plan_job is not None and self.step >= int(self._plan_job["apply_at_step"]):
