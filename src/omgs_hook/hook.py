@@ -636,10 +636,11 @@ class OMGSState:
         self._plan_history = []
         self._planner = BackgroundPlanner()
         self._plan_job = None  # the inputs of the plan being computed (plain values)
-        # (job, future, flags) of the readiness all-gather issued at the end of a step
-        # whose next step may switch to the job's plan; see _issue_ready_probe
+        # (job, work, gathered rows, this rank's plans) of the readiness all-gather issued
+        # at the end of a step whose next step may switch to the job's plan; see
+        # _issue_ready_probe
         self._ready_probe = None
-        self._polled = None  # (job, result) polled for a probe, until every rank is ready
+        self._polled_result = None  # the pending job's result, once polled, until in use
         self._probe_error = None  # what polling for a probe raised (see _issue_ready_probe)
         self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
         self._numels_of = None  # (layout, elements per bucket); see _layout_numels
@@ -870,11 +871,18 @@ class OMGSState:
     # ------------------------------------------------------------ cross-rank agreement
     def _gather_rows(self, values, dtype=torch.float64):
         """All-gather one row of numbers per rank (blocking, from the hook only)."""
+        work, out = self._start_gather(values, dtype)
+        work.wait()
+        return out.view(self.world_size, out.numel() // self.world_size).cpu()
+
+    def _start_gather(self, values, dtype=torch.float64):
+        """Start the all-gather of one row of numbers per rank: ``(work, out)``, the rows
+        in ``out`` once the work is done (same order on every rank)."""
         # (a list, or a numpy array: the planning row, read without a Python float each)
         row = torch.as_tensor(values, dtype=dtype, device=self._device)
         out = torch.empty(self.world_size * row.numel(), dtype=dtype, device=self._device)
-        communicator.all_gather_flat(out, row, group=self.process_group)
-        return out.view(self.world_size, row.numel()).cpu()
+        work = communicator.all_gather_flat(out, row, group=self.process_group, async_op=True)
+        return work, out
 
     def _fingerprint(self):
         """Per-field digests of what every rank must agree on, with readable values."""
@@ -999,28 +1007,22 @@ class OMGSState:
         job = self._plan_job
         if job is None or self.step < int(job["apply_at_step"]):
             return
-        if self._polled is not None and self._polled[0] is not job:
-            self._polled = None  # (polled for a job replaced since)
         plans = None
         try:
-            if self._polled is None and self._planner.ready:
-                self._polled = (job, self._planner.poll(self.step))
+            if self._polled_result is None and self._planner.ready:
+                self._polled_result = self._planner.poll(self.step)
             # this rank's plans now (made from the plan in use at this point: the same
             # on every rank), so that their checksums travel with the flag: the switch
             # then needs no blocking gather at all
-            if self._polled is not None:
-                plans = self._plans_of(job, self._polled[1])
+            if self._polled_result is not None:
+                plans = self._plans_of(job, self._polled_result)
         except Exception as exc:  # noqa: BLE001 - raised at the next bucket 0
             # A failed plan job raises where it always did, at the switch (this step's
             # exchange is complete and stays so); this rank reports itself not ready.
-            self._polled, self._probe_error = None, exc
+            self._polled_result, self._probe_error = None, exc
         width = 1 + plan_selection.MAX_CANDIDATES
         row = [1] + self._checksum_row(plans) if plans is not None else [0] * (1 + width)
-        values = torch.tensor(row, dtype=torch.int64, device=self._device)
-        out = torch.empty(self.world_size * values.numel(), dtype=torch.int64,
-                          device=self._device)
-        work = communicator.all_gather_flat(out, values, group=self.process_group,
-                                            async_op=True)
+        work, out = self._start_gather(row, dtype=torch.int64)
         self._ready_probe = (job, work, out, plans)
 
     def _note_step_params(self):
@@ -1092,22 +1094,19 @@ class OMGSState:
             # no probe was issued for (the first after a resume) gathers them here.
             if probe is not None:
                 table = probe[2].view(self.world_size, -1).cpu()
-                if int(table[:, 0].min()) > 0:
-                    result, self._polled = self._polled[1], None
-                    self._check_plan_checksums(table[:, 1:])
-                    self._put_plans_in_use(result, probe[3])
+                ready, plans, checksums = int(table[:, 0].min()) > 0, probe[3], table[:, 1:]
             else:
-                polled = (self._polled if self._polled is not None
-                          and self._polled[0] is self._plan_job else None)
-                ready = self._gather_rows([1.0 if polled is not None or self._planner.ready
-                                           else 0.0])
-                if float(ready.min()) > 0:
-                    result = polled[1] if polled is not None else self._planner.poll(self.step)
-                    plans = self._plans_of(self._plan_job, result)
-                    self._polled = None
-                    self._check_plan_checksums(self._gather_rows(self._checksum_row(plans),
-                                                                 dtype=torch.int64))
-                    self._put_plans_in_use(result, plans)
+                ready = float(self._gather_rows(
+                    [1.0 if self._polled_result is not None or self._planner.ready
+                     else 0.0]).min()) > 0
+                if ready:
+                    if self._polled_result is None:
+                        self._polled_result = self._planner.poll(self.step)
+                    plans = self._plans_of(self._plan_job, self._polled_result)
+                    checksums = self._gather_rows(self._checksum_row(plans), dtype=torch.int64)
+            if ready:
+                self._check_plan_checksums(checksums)
+                self._put_plans_in_use(self._polled_result, plans)
             self._note_stall(time.perf_counter() - started)
         if self._trial is not None:
             self._advance_trial()
@@ -1824,7 +1823,7 @@ class OMGSState:
         return hierarchical_instance(instance, *_two_level_corrected(two_level, fit))
 
     def _submit_plan_job(self, job):
-        self._plan_job = job
+        self._plan_job, self._polled_result = job, None
         isolate = ((len(job["instance"]["layers"]) >= ISOLATE_UNITS
                     or self._planner.last_compute_s > REPLAN_STALL_BUDGET_S)
                    and planner_has_a_core(self.world_size))
@@ -1859,7 +1858,7 @@ class OMGSState:
     def _put_plans_in_use(self, result, plans):
         """Put the pending job's ``plans`` (checked equal on every rank) in use from this
         step (a rank that polled its result at an earlier probe made them then)."""
-        job, self._plan_job = self._plan_job, None
+        job, self._plan_job, self._polled_result = self._plan_job, None, None
         plans = [dataclasses.replace(p, made_at_step=self.step) for p in plans]
         layout = tuple(tuple(b) for b in job["layout"])
         # a trial still running was made for another layout ("layout" re-plans are the
@@ -2429,7 +2428,7 @@ class OMGSState:
         if self._pinned is not None:
             self._restore_pinned(self.plan)
         self._planner.cancel()
-        self._plan_job = None
+        self._plan_job, self._polled_result = None, None
         if sd.get("plan_job") and not replan and self._pinned is None:
             self._submit_plan_job(sd["plan_job"])
         if self._device is not None:

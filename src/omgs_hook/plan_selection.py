@@ -715,8 +715,8 @@ def _least_absolute(rows, targets):
     constant, which priced the 3-group winner 38-60% too slow once the group term was
     applied without the constant. Dropping the worst point leaves the others' line. A
     least-absolute fit passes through as many points as it has terms, so it is sought
-    among the exact solutions of each such choice of points (a trial has at most a few candidates and
-    three terms: at most a few hundred tiny systems).
+    among the exact solutions of each such choice of points (a trial has at most a few
+    candidates and three terms: at most a few hundred tiny systems).
 
     Why only a point above the line: what throws a step off on a busy machine (a load
     spell, a straggler) adds time, never takes it away. A point left out *below* the
