@@ -178,26 +178,3 @@ def test_ddp_write_backs_run_on_the_backward_thread():
         assert result["groups"] >= 4
         assert result["write_backs"] >= result["groups"]  # a sparse step at least
         assert result["other_threads"] == 0
-
-
-def test_wait_collectives_returns_once_every_bucket_future_is_complete():
-    """What a re-plan waits for first: the step's collectives (their write-backs on other
-    threads included), so that its stall counts only its own time; a failed one is left
-    to DDP, which raises it from the future."""
-    from omgs_hook.group_exchange import StepExchange
-    from omgs_hook.residual_memory import ResidualMemory
-
-    ex = StepExchange(memory=ResidualMemory(), selector=None, process_group=None,
-                      world_size=1, density=0.5)
-    futures = []
-    for i in range(2):
-        bucket = FakeBucket([torch.ones(4)])
-        futures.append(ex.add_bucket(bucket, [f"p{i}"], bucket.params))
-    threading.Timer(0.1, lambda: futures[0].set_result(None)).start()
-    threading.Timer(0.2, lambda: futures[1].set_exception(RuntimeError("peer gone"))).start()
-    started = time.perf_counter()
-    ex.wait_collectives()
-    assert time.perf_counter() - started >= 0.15
-    assert all(f.done() for f in futures)
-    with pytest.raises(RuntimeError, match="peer gone"):
-        futures[1].wait()

@@ -50,6 +50,31 @@ def test_backward_excludes_group_sends_but_keeps_bookkeeping():
     assert meter.forward_s() == pytest.approx(1.0)
 
 
+def test_a_bucket_arrival_marked_earlier_is_the_one_recorded():
+    """The hook marks bucket 0's arrival before it finishes a re-plan there, and starts
+    its send window at that mark: the re-plan's time is the hook's, neither bucket 0's
+    backward nor bucket 1's."""
+    meter = BackwardMeter(window=4)
+    clock = meter.clock = FakeClock()
+    clock.now = 0.0
+    meter._fwd_start = clock.mark()
+    clock.now = 1.0
+    meter.forward_finished()
+    clock.now = 3.0
+    arrived = clock.mark()
+    clock.now = 4.5  # the re-plan: 1.5 s
+    meter.bucket_arrived(0, arrived)
+    meter.sends_started(arrived)
+    clock.now = 5.0
+    meter.sends_finished()
+    clock.now = 7.0
+    meter.bucket_arrived(1)
+    meter.sends_started()
+    meter.sends_finished()
+    meter.end_step((("a",), ("b",)))
+    assert meter.backward_s() == pytest.approx([2.0, 2.0])
+
+
 def test_interrupted_step_is_not_recorded():
     meter = BackwardMeter(window=4)
     clock = meter.clock = FakeClock()

@@ -713,15 +713,6 @@ class StepExchange:
         if finished:
             self._after_finish()
 
-    def wait_collectives(self):
-        """Wait until every bucket future of the step is complete (its collectives done
-        and written back); a failure stays with the futures, for DDP to raise."""
-        for future in list(self._futures):
-            try:
-                future.wait()
-            except Exception:  # noqa: BLE001 - DDP raises it from the future
-                pass
-
     def _maybe_finish_locked(self):
         if self.finished or not self._all_issued or self._done < self._issued:
             return False

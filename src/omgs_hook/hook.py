@@ -640,6 +640,9 @@ class OMGSState:
         # at the end of a step whose next step may switch to the job's plan; see
         # _issue_ready_probe
         self._ready_probe = None
+        # (layout, reason, work, gathered rows, row layout, seconds taken) of a re-plan
+        # started at the end of a step and finished at the next bucket 0; see _start_replan
+        self._pending_replan = None
         self._polled_result = None  # the pending job's result, once polled, until in use
         self._probe_error = None  # what polling for a probe raised (see _issue_ready_probe)
         self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
@@ -955,10 +958,16 @@ class OMGSState:
         index = bucket.index()
         exchange = None
         try:
+            arrived = None
             if index == 0:
+                if self._pending_replan is not None:
+                    # bucket 0's backward ended here: the re-plan finished at the start of
+                    # _begin_step is the hook's time, neither this bucket's backward nor
+                    # the next one's (its send window starts here)
+                    arrived = self.meter.clock.mark()
                 self._begin_step(bucket)
             exchange = self._exchange
-            self.meter.bucket_arrived(index)
+            self.meter.bucket_arrived(index, arrived)
             params = bucket.parameters()
             if self.on_unapplied == "rewind":
                 self._step_params.extend(params)
@@ -968,7 +977,7 @@ class OMGSState:
             future = exchange.add_bucket(bucket, keys, params)
             # the two-level stages waited for here are the groups' own work (their
             # reduce-scatter is on the model's compute stream), not this bucket's backward
-            self.meter.sends_started()
+            self.meter.sends_started(arrived)
             # sparse groups whose collective completed since the last bucket: written
             # back here, on this thread (inside the send window, so the time is not
             # counted as this bucket's backward)
@@ -1049,6 +1058,9 @@ class OMGSState:
         return loaded if loaded is not None else self.memory.undo_state_dict()
 
     def _begin_step(self, bucket):
+        # (before the step's clock: the re-plan belongs to the step that started it, as
+        # the trial's and the model's step times always counted it)
+        self._finish_replan()
         self._step_params = []
         self._applied_check = None
         if self._device is None:
@@ -1201,14 +1213,38 @@ class OMGSState:
             return
         reason = self._replan_due(layout)
         if reason:
-            # the re-plan's gathers queue behind this step's collectives on the process
-            # group, and DDP waits for those right after this call anyway: wait for them
-            # first, so the stall counts the re-plan's own time (after a dense warm-up
-            # step of 1000 buckets the first gather had waited 0.9-1.0 s behind them)
-            exchange.wait_collectives()
-            started = time.perf_counter()
-            self._replan(layout, reason)
-            self._note_stall(time.perf_counter() - started)
+            self._start_replan(layout, reason)
+
+    def _start_replan(self, layout, reason):
+        """Start a re-plan at the end of a step: take this rank's numbers now and start
+        their all-gather; the re-plan goes on at the next bucket 0
+        (:meth:`_finish_replan`), by when the other ranks' rows have arrived.
+
+        A blocking gather here waited for the slowest rank to end its step, and queued
+        behind this step's collectives: at 1000 buckets, 2 ranks, that wait was most of
+        the largest re-plan stalls. Finished one forward later, at the same step number
+        (``self.step`` moves at the end of a step only), with the same rows, the re-plan
+        is the one it was: the same job, the same ``apply_at_step``, on every rank."""
+        started = time.perf_counter()
+        row, meta = self._planning_row(layout)
+        work, out = self._start_gather(row)
+        self._pending_replan = (layout, reason, work, out, meta, time.perf_counter() - started)
+
+    def _finish_replan(self):
+        """Finish the re-plan :meth:`_start_replan` began, if one is pending: at bucket 0,
+        or before anything reads what it decides (``stats()``, ``state_dict()``, ...). It
+        issues no collective (its gather is in flight on every rank), so a rank may
+        finish it earlier than the others: the result is the same."""
+        pending, self._pending_replan = self._pending_replan, None
+        if pending is None:
+            return
+        started = time.perf_counter()
+        layout, reason, work, out, meta, started_s = pending
+        work.wait()
+        gathered = out.view(self.world_size, out.numel() // self.world_size).cpu()
+        self._replan(layout, reason, self._instance_from_rows(layout, gathered, meta))
+        # the re-plan's whole time on this thread: its start at the end of the step too
+        self._note_stall(started_s + time.perf_counter() - started)
 
     def _replan_due(self, layout):
         """Why a re-plan is due now (``"first"``, ``"periodic"``, ``"overhead"``,
@@ -1288,8 +1324,9 @@ class OMGSState:
                                                  exchange=exchange)
 
     def _note_stall(self, seconds):
-        """Host seconds a step spent on re-planning on the autograd thread (gathering the
-        numbers; switching to the plan, waiting for the planner if it was late)."""
+        """Host seconds a step spent on re-planning on the autograd thread (taking and
+        gathering the numbers at its end and planning from them at the next bucket 0,
+        together; switching to the plan; waiting for the planner if it was late)."""
         self._replan_stall = (seconds, max(seconds, self._replan_stall[1]))
 
     def _note_plan(self, reason):
@@ -1375,6 +1412,7 @@ class OMGSState:
         Collective: every rank must call it at the same point. ``layout`` defaults to the
         bucket layout of the current measurements.
         """
+        self._finish_replan()  # its gather was issued first on every rank
         layout = self.meter.layout if layout is None else layout
         if not layout:
             raise RuntimeError("omgs_hook: no measured step yet, nothing to plan")
@@ -1391,6 +1429,15 @@ class OMGSState:
         return statistics.median(times) if len(times) >= 3 else None
 
     def _build_instance(self, layout):
+        """The planner's instance and its inputs for ``layout``, from every rank's
+        measurements (one blocking all-gather: every rank calls it at the same point)."""
+        row, meta = self._planning_row(layout)
+        return self._instance_from_rows(layout, self._gather_rows(row), meta)
+
+    def _planning_row(self, layout):
+        """This rank's numbers for a re-plan, as one float64 row for the all-gather, and
+        where its parts start (``meta``, for :meth:`_instance_from_rows`). Reads only
+        this rank's meters: taken at the end of a step, the row is that step's."""
         backward = self.meter.backward_s() if self.meter.layout == layout else []
         if len(backward) != len(layout):
             backward = [0.0] * len(layout)
@@ -1418,11 +1465,19 @@ class OMGSState:
         if self._subgroups is not None:
             meter = self._two_level_times
             local += meter.table() if self.measured_comm else meter.empty_table()
-        # one all-gather for the planning row and the per-step timelines (every gather on
-        # the autograd thread waits for the slowest rank: fewer is a shorter stall)
-        gathered = self._gather_rows(np.concatenate((np.asarray(local, dtype=np.float64),
-                                                     self._timeline_table(layout))))
-        rows, tables = gathered[:, :len(local)], gathered[:, len(local):]
+        # one all-gather for the planning row and the per-step timelines
+        row = np.concatenate((np.asarray(local, dtype=np.float64), self._timeline_table(layout)))
+        meta = {"width": len(local), "optional": len(optional), "step_at": step_at,
+                "load_at": load_at, "comm_at": comm_at, "two_level_at": two_level_at}
+        return row, meta
+
+    def _instance_from_rows(self, layout, gathered, meta):
+        """The rest of :meth:`_build_instance`: every rank's gathered
+        :meth:`_planning_row` in, ``(instance, inputs)`` out, identical on every rank."""
+        width = meta["width"]
+        step_at, load_at = meta["step_at"], meta["load_at"]
+        comm_at, two_level_at = meta["comm_at"], meta["two_level_at"]
+        rows, tables = gathered[:, :width], gathered[:, width:]
         mean = rows.mean(dim=0).tolist()  # same order on every rank: identical
         n = len(layout)
 
@@ -1437,7 +1492,7 @@ class OMGSState:
         slowest = self._slowest_rank_timeline(tables, layout)
         if slowest is not None:
             tail_s, forward_s, backward_s = slowest[0], slowest[1], slowest[2:]
-        refit, overhead, writeback = (agreed_pair(i) for i in range(len(optional)))
+        refit, overhead, writeback = (agreed_pair(i) for i in range(meta["optional"]))
         # what the network itself costs: the profile's, or the online refit
         network = self.profile.comm if refit is None else LinearCost(*refit)
         comm = network
@@ -1640,9 +1695,10 @@ class OMGSState:
                     for rank_rows in gathered]
         return slowest_rank_timeline(per_rank)
 
-    def _replan(self, layout, reason="first"):
-        """Re-plan for ``layout``: gather every rank's measurements now (small blocking
-        all-gathers, here on the autograd thread), compute the plan and the trial's
+    def _replan(self, layout, reason="first", built=None):
+        """Re-plan for ``layout`` from every rank's measurements (``built``: the
+        ``(instance, inputs)`` of :meth:`_instance_from_rows`; else gathered now, a
+        blocking all-gather), compute the plan and the trial's
         candidates on the background planner (its thread, or its worker process for a large
         instance where the host has a core to spare), and put the result in use at
         bucket 0 of step ``self.step + PLAN_LAG`` or the first later step at which every
@@ -1651,7 +1707,7 @@ class OMGSState:
             self._check_at = None
         if reason == "settled":
             self._settled_at = None
-        instance, inputs = self._build_instance(layout)
+        instance, inputs = built if built is not None else self._build_instance(layout)
         if reason == "check" and self._postpone_check(inputs["forward_load"]):
             return
         self._plan_instance = (tuple(tuple(b) for b in layout), instance)  # for summary()
@@ -2042,11 +2098,10 @@ class OMGSState:
         :class:`~omgs_hook.plan_selection.Correction`), ``"planner_wait_s"`` (how long the last
         switch to a background-computed plan waited for the planner thread: the stall
         re-planning cost that step), ``"replan_stall_s"`` (``last`` and ``max``: host
-        seconds a step spent on re-planning on the autograd thread - gathering the
-        numbers at the end of a step, switching plans at the start of one, the wait
-        for the planner and for the other ranks included; not the wait for the step's
-        own collectives, which the gathers would queue behind and DDP waits for
-        anyway), ``"planned_with"`` (the forward, tail and
+        seconds a step spent on re-planning on the autograd thread - taking its numbers
+        at the end of a step and, once their all-gather has arrived, planning from them
+        at the next bucket 0, the two together; switching plans at the start of a step;
+        the wait for the planner included), ``"planned_with"`` (the forward, tail and
         per-group overhead the last plan was made with, and ``"comm_scale"``: the factors
         ``measured_comm`` applied to the sparse and dense collective costs, None where
         there was nothing to measure), ``"model_check"`` (the model against reality for
@@ -2067,6 +2122,8 @@ class OMGSState:
         ``track_staleness``, ``"staleness"`` (per sparse group of the last step: its
         elements and the ``max`` and ``mean`` steps since an element was last sent).
         """
+        # a re-plan started at the end of the last step decides what is reported here
+        self._finish_replan()
         total = dict(self._totals)
         all_elements, all_selected = total["elements"], total["selected"]
         sparse_elements = all_elements - total["warmup_elements"]
@@ -2151,6 +2208,7 @@ class OMGSState:
         chosen -, the achieved density of the sparse steps, bytes per step against dense
         all-reduce, and the predicted and measured step. ``scripts/train.py`` prints it
         at the end of a run."""
+        self._finish_replan()
         s = self.stats()
         lines = []
         plan = self.plan
@@ -2208,6 +2266,7 @@ class OMGSState:
         above the one measured on this rank's host clock, and save it to ``path`` (PNG,
         SVG or PDF). Needs matplotlib; the measured panel needs ``module`` (forward
         timing). Raises RuntimeError before the first planned, measured step."""
+        self._finish_replan()
         from .cost_model import schedule
         from .timeline_plot import measured_schedule, plot_timelines
 
@@ -2263,6 +2322,9 @@ class OMGSState:
         they were before the last step while that step's gradient is neither applied
         nor known to be dropped (``on_unapplied``), so that a resumed run can rewind it.
         """
+        # the re-plan the last step started, whose job (``plan_job``) a resumed run must
+        # go on with, as this one does at its next bucket 0
+        self._finish_replan()
         # the finished steps' measurements, which the next step would have fed to the
         # meters before its re-plan: the resumed run's meters start where this one's are
         self._ingest_finished()
@@ -2429,6 +2491,10 @@ class OMGSState:
             self._restore_pinned(self.plan)
         self._planner.cancel()
         self._plan_job, self._polled_result = None, None
+        if self._pending_replan is not None:
+            # a re-plan of the run before the load (issued on every rank: it completes)
+            self._pending_replan[2].wait()
+            self._pending_replan = None
         if sd.get("plan_job") and not replan and self._pinned is None:
             self._submit_plan_job(sd["plan_job"])
         if self._device is not None:

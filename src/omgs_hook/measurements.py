@@ -161,15 +161,18 @@ class BackwardMeter:
             return None
         return max(0.0, self.clock.seconds(self._fwd_start, self._fwd_end))
 
-    def bucket_arrived(self, index):
+    def bucket_arrived(self, index, mark=None):
+        """Bucket ``index`` arrived, now or at ``mark`` (taken earlier with this clock)."""
         if index == 0:
             self._forward_open = False
             self._arrive, self._send_start, self._send_end = [], [], []
-        self._arrive.append(self.clock.mark())
+        self._arrive.append(self.clock.mark() if mark is None else mark)
 
-    def sends_started(self):
-        """The hook starts sending the groups this bucket completed."""
-        self._send_start.append(self.clock.mark())
+    def sends_started(self, mark=None):
+        """The hook starts sending the groups this bucket completed, now or at ``mark``
+        (taken earlier with this clock: the hook's own work since then is not backward
+        either)."""
+        self._send_start.append(self.clock.mark() if mark is None else mark)
 
     def sends_finished(self):
         self._send_end.append(self.clock.mark())
