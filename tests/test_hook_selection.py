@@ -339,6 +339,38 @@ def test_a_checkpoint_taken_while_a_re_plan_is_in_flight_resumes_bit_exactly(tmp
         assert r["identical"]
 
 
+def test_a_re_plan_in_flight_is_finished_once_and_other_threads_wait_for_it(monkeypatch):
+    """stats() on a logging thread while bucket 0 finishes the pending re-plan: one of
+    them runs it, the other returns only once it is done (never reads it half-made)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(omgs_hook.OMGSState, "world_size", property(lambda self: 1))
+    state = omgs_hook.OMGSState(density=DENSITY)
+    events = []
+
+    class SlowWork:
+        def wait(self):
+            time.sleep(0.2)  # the gathered rows arriving
+
+    state._instance_from_rows = lambda layout, gathered, meta: ("instance", {})
+    state._replan = lambda layout, reason, built: events.append(("replanned", reason))
+    state._pending_replan = (((("w",),)), "periodic", SlowWork(), torch.zeros(2), {}, 0.0)
+
+    def other():
+        time.sleep(0.05)  # the bucket-0 thread is inside the finish by now
+        state._finish_replan()
+        events.append("other returned")
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    state._finish_replan()
+    thread.join()
+    assert events == [("replanned", "periodic"), "other returned"]
+    assert state._pending_replan is None
+    state.close()
+
+
 def pinned_worker(rank, world_size, plan, steps):
     model, ddp, state, opt = build(rank, fake_clock=False, plan=plan)
     train_steps(ddp, opt, 0, steps, rank)

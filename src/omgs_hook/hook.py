@@ -55,6 +55,7 @@ import logging
 import math
 import os
 import statistics
+import threading
 import time
 import warnings
 
@@ -643,6 +644,8 @@ class OMGSState:
         # (layout, reason, work, gathered rows, row layout, seconds taken) of a re-plan
         # started at the end of a step and finished at the next bucket 0; see _start_replan
         self._pending_replan = None
+        # a logging thread's stats() may finish it while bucket 0 does: once, by one of them
+        self._replan_lock = threading.Lock()
         self._polled_result = None  # the pending job's result, once polled, until in use
         self._probe_error = None  # what polling for a probe raised (see _issue_ready_probe)
         self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
@@ -1235,16 +1238,17 @@ class OMGSState:
         or before anything reads what it decides (``stats()``, ``state_dict()``, ...). It
         issues no collective (its gather is in flight on every rank), so a rank may
         finish it earlier than the others: the result is the same."""
-        pending, self._pending_replan = self._pending_replan, None
-        if pending is None:
-            return
-        started = time.perf_counter()
-        layout, reason, work, out, meta, started_s = pending
-        work.wait()
-        gathered = out.view(self.world_size, out.numel() // self.world_size).cpu()
-        self._replan(layout, reason, self._instance_from_rows(layout, gathered, meta))
-        # the re-plan's whole time on this thread: its start at the end of the step too
-        self._note_stall(started_s + time.perf_counter() - started)
+        with self._replan_lock:  # (a caller on another thread waits until it is done)
+            pending, self._pending_replan = self._pending_replan, None
+            if pending is None:
+                return
+            started = time.perf_counter()
+            layout, reason, work, out, meta, started_s = pending
+            work.wait()
+            gathered = out.view(self.world_size, out.numel() // self.world_size).cpu()
+            self._replan(layout, reason, self._instance_from_rows(layout, gathered, meta))
+            # the re-plan's whole time on this thread: its start at the end of the step too
+            self._note_stall(started_s + time.perf_counter() - started)
 
     def _replan_due(self, layout):
         """Why a re-plan is due now (``"first"``, ``"periodic"``, ``"overhead"``,
