@@ -1,10 +1,12 @@
 """The pure logic of measured plan selection: candidates, the trial schedule, the decision."""
 
+import dataclasses
 import itertools
 import math
 import random
 import statistics
 
+import numpy as np
 import pytest
 
 from omgs_hook import planner
@@ -111,6 +113,95 @@ def test_other_strategies_compare_only_their_own_modes():
         assert all(c.groups == model.groups for c in got)
         assert len(got) == (2 if any(model.dense) else 1)
     assert len(model_candidates(instance(dense=False), "layerwise")) == 1
+
+
+def _neighbour_plans_walked(inst, groups):
+    """The plain definition: every merge and every split through evaluate, ``(label,
+    [plans in order])`` per kind that has options."""
+    groups = [tuple(g) for g in groups]
+    out = []
+    for options, label in (
+            ([groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2:]
+              for i in range(len(groups) - 1)], f"{len(groups) - 1}-groups"),
+            ([groups[:i] + [g[:j], g[j:]] + groups[i + 1:]
+              for i, g in enumerate(groups) for j in range(1, len(g))],
+             f"{len(groups) + 1}-groups")):
+        if options:
+            out.append((label, [planner.evaluate(inst, option, [False] * len(option),
+                                                 strategy=label) for option in options]))
+    return out
+
+
+def _assert_the_earliest_of_the_least(got, walked):
+    """``got`` (neighbour_plans) holds, per kind, the earliest walked plan whose time is
+    within a tie of the least; where no other is that close, exactly the walk's best."""
+    from omgs_hook.plan_selection import NEIGHBOUR_TIE
+
+    slack = 1e-12  # the pricing's rounding, relative; far below the tie
+    assert [label for label, _ in got] == [label for label, _ in walked]
+    for (_, plan), (_, plans) in zip(got, walked):
+        times = [p.predicted_iteration_s for p in plans]
+        least = min(times)
+        chosen = plans.index(plan)
+        assert times[chosen] <= least * (1 + NEIGHBOUR_TIE + slack)
+        assert all(t > least * (1 + NEIGHBOUR_TIE - slack) for t in times[:chosen])
+        if sum(t <= least * (1 + NEIGHBOUR_TIE + slack) for t in times) == 1:
+            assert plan.predicted_iteration_s == least  # no tie: the walk's own best
+
+
+def test_neighbour_plans_priced_at_once_are_the_walked_ones():
+    """The vectorised pricing only preselects: the plans are those the walk over every
+    merge and split picks, ties included - on wide-ranging instances (c2 = 0 and > 0,
+    zero backward times), on instances made of identical units (every split ties) and
+    on plans of one group, single units and random cuts."""
+    from test_planner import random_instance
+
+    rng = np.random.default_rng(7)
+    cases = 0
+    for trial in range(160):
+        units = int(rng.integers(1, 40))
+        inst = random_instance(rng, units, dense=bool(trial % 3 == 0))
+        if trial % 4 == 1:  # identical units: plateaus of exactly tied options
+            inst = dataclasses.replace(inst, layers=(Unit(4096, 0.0 if trial % 8 == 1
+                                                          else 1e-4),) * units)
+        kind = trial % 5
+        if kind == 0:
+            groups = (tuple(range(units)),)
+        elif kind == 1:
+            groups = tuple((u,) for u in range(units))
+        elif kind == 2:
+            groups = planner.make_plan(dataclasses.replace(inst, dense=None), "optimal").groups
+        else:
+            cuts = sorted(set(rng.integers(1, units, size=int(rng.integers(0, units))).tolist()))
+            bounds = [c for c in cuts if 0 < c < units] + [units]
+            groups = tuple(tuple(range(a, b)) for a, b in zip([0] + bounds[:-1], bounds))
+        _assert_the_earliest_of_the_least(neighbour_plans(inst, groups),
+                                          _neighbour_plans_walked(inst, groups))
+        cases += 1
+    assert cases == 160
+
+
+def test_neighbour_plans_of_a_thousand_units_need_few_walks(monkeypatch):
+    """What the pricing is for: a 3-group plan of 1000 units has 997 splits and 2
+    merges; only the chosen option of each kind is walked (each walk is O(units))."""
+    rng = np.random.default_rng(3)
+    layers = tuple(Unit(int(rng.integers(100, 200000)), float(rng.uniform(1e-5, 1e-3)))
+                   for _ in range(1000))
+    inst = Instance(layers=layers, world_size=4, density=0.001, forward_s=0.01,
+                    comm=LinearCost(2e-3, 1e-8), topk=TopkCost(1e-4, 2e-9, 1e-11))
+    groups = (tuple(range(0, 300)), tuple(range(300, 700)), tuple(range(700, 1000)))
+    walked = []
+    evaluate = planner.evaluate
+
+    def counting(*args, **kwargs):
+        walked.append(1)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "evaluate", counting)
+    got = neighbour_plans(inst, groups)
+    assert len(walked) == 2
+    monkeypatch.setattr(planner, "evaluate", evaluate)
+    _assert_the_earliest_of_the_least(got, _neighbour_plans_walked(inst, groups))
 
 
 def test_neighbour_plans_are_the_best_merge_and_the_best_split():

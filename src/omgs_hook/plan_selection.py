@@ -31,6 +31,9 @@ import math
 import statistics
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
+
+from . import cost_model
 from . import planner as planner_mod
 from .cost_model import Instance
 from .group_plan import check_exchange
@@ -139,26 +142,100 @@ def dedupe(candidates: Sequence[Candidate], limit: Optional[int] = None) -> List
 def neighbour_plans(inst: Instance, groups) -> List[Tuple[str, object]]:
     """The model's best sparse plan one group fewer (one merge of two neighbouring groups
     of ``groups``) and one group more (one split of a group at a unit boundary), as
-    ``(name, Plan)`` pairs; ties go to the earlier position."""
+    ``(name, Plan)`` pairs; ties - times within ``NEIGHBOUR_TIE`` of the least, relative
+    - go to the earlier position.
+
+    A plan of g groups over L units has g - 1 merges and L - g splits. Walking each of
+    them through :func:`~omgs_hook.planner.evaluate` is O(L) Python apiece: at 1000
+    units, 2-3 groups, about 0.5 s of a planning job's 0.6 s. So every option is priced
+    at once with numpy (:func:`_neighbour_times`; the same sums in another order, so
+    equal up to rounding), and only the one chosen is walked. Ties need the tolerance:
+    on a plateau of options whose times differ only by rounding (identical units, a
+    network-bound plan) the earliest one is taken, as the walk over all of them would."""
     groups = [tuple(g) for g in groups]
     out = []
+    merges = [groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2:]
+              for i in range(len(groups) - 1)]
+    splits = [(i, j) for i, g in enumerate(groups) for j in range(1, len(g))]
+    priced = _neighbour_times(inst, groups)
 
-    def best_of(options, label):
+    def best_of(options, times, label):
+        if not options:
+            return
+        if times is not None:
+            times = times + (inst.forward_s + inst.tail_s)  # (relative to the whole step)
+            floor = float(times.min())
+            first = int(np.flatnonzero(times <= floor + NEIGHBOUR_TIE * abs(floor))[0])
+            options = [options[first]]
         best = None
         for option in options:
+            option = option() if callable(option) else option
             plan = planner_mod.evaluate(inst, option, [False] * len(option), strategy=label)
             if best is None or plan.predicted_iteration_s < best.predicted_iteration_s:
                 best = plan
-        if best is not None:
-            out.append((label, best))
+        out.append((label, best))
 
-    merges = [groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2:]
-              for i in range(len(groups) - 1)]
-    best_of(merges, f"{len(groups) - 1}-groups")
-    splits = [groups[:i] + [g[:j], g[j:]] + groups[i + 1:]
-              for i, g in enumerate(groups) for j in range(1, len(g))]
-    best_of(splits, f"{len(groups) + 1}-groups")
+    best_of(merges, priced[0] if priced else None, f"{len(groups) - 1}-groups")
+    split_options = [lambda i=i, j=j: groups[:i] + [groups[i][:j], groups[i][j:]] + groups[i + 1:]
+                     for i, j in splits]
+    best_of(split_options, priced[1] if priced else None, f"{len(groups) + 1}-groups")
     return out
+
+
+#: neighbour plans priced within this relative distance of the cheapest tie with it
+#: (rounding is ~1e-15; a nanosecond of a second-long step is no difference to plan by)
+NEIGHBOUR_TIE = 1e-9
+
+
+def _neighbour_times(inst: Instance, groups):
+    """``(merge times, split times)``: each merge's and each split's (in
+    :func:`neighbour_plans`' order) final network time, all sparse, with numpy; or None
+    where the plain walk must price them (a two-level instance; a sparse group the index
+    range could cut). A plan is a prefix state ``(c, e)`` before the changed groups, the
+    changed groups, and the unchanged suffix as ``(Ys, G)``: its end is
+    ``max(e + Ys, c + G)`` (docs/cost-model.md, the flow-shop identity)."""
+    total = sum(u.numel for u in inst.layers)
+    if inst.hierarchy is not None or total > cost_model.MAX_SPARSE_GROUP_NUMEL:
+        return None
+    prefix = planner_mod._prefix_sums(inst)
+    ends = np.cumsum([len(g) for g in groups])
+    starts = np.concatenate(([0], ends[:-1]))
+    if ends[-1] != inst.num_units or any(list(g) != list(range(a, b)) for g, a, b
+                                         in zip(groups, starts.tolist(), ends.tolist())):
+        return None  # not contiguous runs: evaluate raises its own error
+
+    def costs(lo, hi):
+        backward, topk, comm, _ = planner_mod._group_costs(inst, prefix, lo, hi)
+        return backward + topk, comm
+
+    x, y = costs(starts, ends)
+    m = len(groups)
+    c_before, e_before = np.zeros(m + 1), np.zeros(m + 1)
+    for j in range(m):
+        c_before[j + 1] = c_before[j] + x[j]
+        e_before[j + 1] = max(e_before[j], c_before[j + 1]) + y[j]
+    ys, g = np.zeros(m + 1), np.zeros(m + 1)  # of the suffix from group j on
+    for j in range(m - 1, -1, -1):
+        ys[j] = y[j] + ys[j + 1]
+        g[j] = x[j] + max(y[j] + ys[j + 1], g[j + 1])
+    # merge i: groups i and i + 1 as one
+    i = np.arange(m - 1)
+    mx, my = costs(starts[i], ends[i + 1])
+    c = c_before[i] + mx
+    e = np.maximum(e_before[i], c) + my
+    merge_times = np.maximum(e + ys[i + 2], c + g[i + 2])
+    # split of group i before unit p
+    i = np.repeat(np.arange(m), ends - starts - 1)
+    p = np.concatenate([np.arange(a + 1, b) for a, b in zip(starts.tolist(), ends.tolist())]
+                       + [np.zeros(0, dtype=np.int64)]).astype(np.int64)
+    x1, y1 = costs(starts[i], p)
+    x2, y2 = costs(p, ends[i])
+    c = c_before[i] + x1
+    e = np.maximum(e_before[i], c) + y1
+    c = c + x2
+    e = np.maximum(e, c) + y2
+    split_times = np.maximum(e + ys[i + 1], c + g[i + 1])
+    return merge_times, split_times
 
 
 #: the flat candidates of a two-level run with ``topology="auto"`` (strategy "optimal";
