@@ -645,7 +645,7 @@ class OMGSState:
         # started at the end of a step and finished at the next bucket 0; see _start_replan
         self._pending_replan = None
         # a logging thread's stats() may finish it while bucket 0 does: once, by one of them
-        self._replan_lock = threading.Lock()
+        self._replan_lock = threading.RLock()  # (re-entered by a log handler: a no-op)
         self._polled_result = None  # the pending job's result, once polled, until in use
         self._probe_error = None  # what polling for a probe raised (see _issue_ready_probe)
         self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
