@@ -181,6 +181,26 @@ def test_neighbour_plans_priced_at_once_are_the_walked_ones():
     assert cases == 160
 
 
+def test_neighbour_plans_that_are_not_priced_at_once_follow_the_same_rule():
+    """Instances the numpy pricing leaves to the walk - sparse groups the int32 index
+    range cuts, two-level instances - pick by the same rule."""
+    from omgs_hook.cost_model import Hierarchy
+    from omgs_hook.plan_selection import _neighbour_times
+
+    huge = Instance(layers=tuple(Unit(n, 0.01) for n in (2**30, 2**30, 2**29, 1000, 5)),
+                    world_size=4, density=0.001, forward_s=0.01, comm=LinearCost(1e-3, 1e-9),
+                    topk=TopkCost(1e-4, 1e-10, 0.0))
+    two_level = dataclasses.replace(instance(dense=False, units=7), world_size=4,
+                                    hierarchy=Hierarchy(2, LinearCost(1e-4, 1e-10),
+                                                        LinearCost(1e-3, 1e-8)))
+    for inst in (huge, two_level):
+        assert _neighbour_times(inst, [tuple(range(inst.num_units))]) is None
+        for groups in ((tuple(range(inst.num_units)),), tuple((u,) for u in range(inst.num_units)),
+                       ((0, 1), tuple(range(2, inst.num_units)))):
+            _assert_the_earliest_of_the_least(neighbour_plans(inst, groups),
+                                              _neighbour_plans_walked(inst, groups))
+
+
 def test_neighbour_plans_of_a_thousand_units_need_few_walks(monkeypatch):
     """What the pricing is for: a 3-group plan of 1000 units has 997 splits and 2
     merges; only the chosen option of each kind is walked (each walk is O(units))."""

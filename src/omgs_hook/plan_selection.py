@@ -154,31 +154,34 @@ def neighbour_plans(inst: Instance, groups) -> List[Tuple[str, object]]:
     network-bound plan) the earliest one is taken, as the walk over all of them would."""
     groups = [tuple(g) for g in groups]
     out = []
-    merges = [groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2:]
-              for i in range(len(groups) - 1)]
     splits = [(i, j) for i, g in enumerate(groups) for j in range(1, len(g))]
-    priced = _neighbour_times(inst, groups)
 
-    def best_of(options, times, label):
-        if not options:
+    def merged(k):
+        return groups[:k] + [groups[k] + groups[k + 1]] + groups[k + 2:]
+
+    def split(k):
+        i, j = splits[k]
+        return groups[:i] + [groups[i][:j], groups[i][j:]] + groups[i + 1:]
+
+    def walk(groups_k, label):
+        return planner_mod.evaluate(inst, groups_k, [False] * len(groups_k), strategy=label)
+
+    def best_of(count, option, times, label):
+        if count == 0:
             return
-        if times is not None:
+        plans = None
+        if times is None:  # (no pricing at once: every option walked)
+            plans = [walk(option(k), label) for k in range(count)]
+            times = np.array([p.predicted_iteration_s for p in plans])
+        else:
             times = times + (inst.forward_s + inst.tail_s)  # (relative to the whole step)
-            floor = float(times.min())
-            first = int(np.flatnonzero(times <= floor + NEIGHBOUR_TIE * abs(floor))[0])
-            options = [options[first]]
-        best = None
-        for option in options:
-            option = option() if callable(option) else option
-            plan = planner_mod.evaluate(inst, option, [False] * len(option), strategy=label)
-            if best is None or plan.predicted_iteration_s < best.predicted_iteration_s:
-                best = plan
-        out.append((label, best))
+        floor = float(times.min())
+        first = int(np.flatnonzero(times <= floor + NEIGHBOUR_TIE * abs(floor))[0])
+        out.append((label, plans[first] if plans is not None else walk(option(first), label)))
 
-    best_of(merges, priced[0] if priced else None, f"{len(groups) - 1}-groups")
-    split_options = [lambda i=i, j=j: groups[:i] + [groups[i][:j], groups[i][j:]] + groups[i + 1:]
-                     for i, j in splits]
-    best_of(split_options, priced[1] if priced else None, f"{len(groups) + 1}-groups")
+    priced = _neighbour_times(inst, groups) or (None, None)
+    best_of(len(groups) - 1, merged, priced[0], f"{len(groups) - 1}-groups")
+    best_of(len(splits), split, priced[1], f"{len(groups) + 1}-groups")
     return out
 
 
