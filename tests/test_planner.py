@@ -967,3 +967,28 @@ def test_a_unit_beyond_the_index_range_is_a_group_of_its_own(monkeypatch):
     for dense in (None, LinearCost(1e3, 0.0)):  # (dense far too slow to be chosen)
         plan = make_plan(_instance(units, density=0.01, dense=dense), "single")
         assert plan.groups == ((0, 1), (2,), (3,)) and plan.dense == (False,) * 3
+
+
+def test_a_budget_caps_the_valve_where_it_applies_and_nowhere_else():
+    """``make_plan(..., budget=N)``: a dense search stops after N candidates (the warning
+    names that budget) and still returns a plan no worse than its start; a sparse
+    instance up to EXACT_UNITS units stays exact whatever the budget; a bad budget is
+    refused by name."""
+    rng = np.random.default_rng(11)
+    inst = random_instance(rng, 40, dense=True)
+    full = make_plan(inst, "optimal")
+    start = make_plan(inst, "greedy")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        capped = make_plan(inst, "optimal", start=(start.groups, start.dense), budget=10)
+    messages = [str(w.message) for w in caught if issubclass(w.category, SearchBudgetWarning)]
+    assert messages and "its budget of 10 " in messages[0]
+    assert capped.predicted_iteration_s <= evaluate(inst, start.groups, start.dense).predicted_iteration_s
+    assert capped.predicted_iteration_s >= full.predicted_iteration_s * (1 - REL)
+    sparse = dataclasses.replace(inst, dense=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SearchBudgetWarning)
+        assert make_plan(sparse, "optimal", budget=10) == make_plan(sparse, "optimal")
+    for bad in (0, -5, 2.5, True, "10"):
+        with pytest.raises(ValueError, match="budget must be a positive int"):
+            make_plan(inst, "optimal", budget=bad)

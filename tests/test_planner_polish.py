@@ -281,25 +281,27 @@ def test_a_start_plan_that_does_not_fit_is_ignored():
 
 
 def test_the_planning_job_starts_from_the_plan_in_use(monkeypatch):
-    """compute_plan hands the job's "start" (the hook's plan in use) to make_plan."""
+    """compute_plan hands the job's "start" (the hook's plan in use) to make_plan, with
+    the re-plan's smaller valve budget; a job without one searches with the planner's."""
     from omgs_hook import plan_job
 
     seen = []
     original = plan_job.planner_mod.make_plan
 
-    def recording(inst, strategy, start=None):
-        seen.append(start)
-        return original(inst, strategy, start=start)
+    def recording(inst, strategy, start=None, budget=None):
+        seen.append((start, budget))
+        return original(inst, strategy, start=start, budget=budget)
 
     monkeypatch.setattr(plan_job.planner_mod, "make_plan", recording)
     inst = random_instance(np.random.default_rng(14), 6, False)
     job = {"instance": inst.to_dict(), "kept": None, "model_key": None, "retrial_ok": True,
            "start": {"groups": [[0, 1, 2], [3, 4, 5]], "dense": [False, False]}}
     plan_job.compute_plan(job, "optimal", "model")
-    assert seen[0] == ([[0, 1, 2], [3, 4, 5]], [False, False])
+    assert seen[0] == (([[0, 1, 2], [3, 4, 5]], [False, False]), plan_job.REPLAN_SEARCH_BUDGET)
+    assert plan_job.REPLAN_SEARCH_BUDGET < plan_job.planner_mod.SEARCH_BUDGET
     seen.clear()
     plan_job.compute_plan(dict(job, start=None), "optimal", "model")
-    assert seen[0] is None
+    assert seen[0] == (None, None)
 
 
 # ----------------------------------------------------------------------- the fast prediction

@@ -13,7 +13,18 @@ from . import plan_selection
 from . import planner as planner_mod
 from .cost_model import Instance
 
-__all__ = ["compute_plan", "plan_key"]
+__all__ = ["compute_plan", "plan_key", "REPLAN_SEARCH_BUDGET"]
+
+#: The valve's budget (planner.SEARCH_BUDGET is 10 million) of a re-plan that starts from
+#: the plan in use. Where the valve stops the search (a dense cost), the plan is the best
+#: of the beam, the heuristics and the start, polished; the turns between 2.5 and 10
+#: million candidates rarely improve on it, and on 2 cores their CPU is taken from
+#: training. Realistic dense instances, the plan found for the unperturbed instance as
+#: the start, backward times perturbed by up to 5% and 25% (docs/cost-model.md):
+#: 1000 units, 30 cases: the same plan time as 10 million in all, CPU 438-718 -> 251-441
+#: ms; 300 units, 122 cases: the same in 117, up to 0.0033% slower in 5 (where the full
+#: budget finished exactly), CPU of the stopped searches median 354 -> 141 ms.
+REPLAN_SEARCH_BUDGET = 2_500_000
 
 
 def compute_plan(job, strategy, select):
@@ -31,7 +42,8 @@ def compute_plan(job, strategy, select):
     # search stopped by the valve returns (jobs of older checkpoints have none)
     start = job.get("start")
     start = (start["groups"], start["dense"]) if start else None
-    unit_plan = planner_mod.make_plan(inst, strategy, start=start)
+    unit_plan = planner_mod.make_plan(inst, strategy, start=start,
+                                      budget=REPLAN_SEARCH_BUDGET if start else None)
     model_key = plan_key(unit_plan)
     out = {"candidates": None, "plan": None, "reason": "model", "model_key": model_key}
     if select == "model":

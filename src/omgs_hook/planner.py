@@ -198,7 +198,7 @@ def parse_strategy(text) -> str:
 # public entry points
 
 
-def make_plan(inst: Instance, strategy: str = "optimal", start=None) -> Plan:
+def make_plan(inst: Instance, strategy: str = "optimal", start=None, budget=None) -> Plan:
     """Plan ``inst`` with ``strategy`` (see the module docstring for the strategies).
 
     ``start``: optional ``(groups, dense flags)`` of a plan known to be good for a similar
@@ -206,7 +206,14 @@ def make_plan(inst: Instance, strategy: str = "optimal", start=None) -> Plan:
     flat instance its time on ``inst`` is one more upper bound for the search, and a
     search stopped by the valve returns a plan no worse than it; the optimum found is the
     same with or without it. Ignored by the other strategies, and when it does not fit
-    ``inst`` (another number of units)."""
+    ``inst`` (another number of units).
+
+    ``budget``: the safety valve's candidate count for this search where the valve
+    applies (a dense cost, or beyond :data:`EXACT_UNITS` units); default
+    :data:`SEARCH_BUDGET`. Sparse instances up to ``EXACT_UNITS`` units stay exact."""
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
+                               or budget < 1):
+        raise ValueError(f"make_plan: budget must be a positive int, got {budget!r}")
     if not isinstance(inst, Instance):
         raise TypeError(f"make_plan expects an Instance, got {type(inst).__name__}")
     strategy = parse_strategy(strategy)
@@ -220,7 +227,7 @@ def make_plan(inst: Instance, strategy: str = "optimal", start=None) -> Plan:
         if L <= _LAYERWISE_BOUND_UNITS:
             known.append(np.arange(1, L + 1))
         bounds, modes = _search(inst, prefix_sums, known, boundaries=None,
-                                start=_start_plan(inst, start))
+                                start=_start_plan(inst, start), valve_budget=budget)
         return _finish(inst, strategy, _groups_from_bounds(bounds), modes)
     groups = _rule_groups(inst, strategy, inst)
     return _finish(inst, strategy, groups, best_modes(inst, groups))
@@ -620,7 +627,8 @@ _DENSE_BEAM_LIVE = 512
 _LAYERWISE_BOUND_UNITS = 4096
 
 
-def _search(inst: Instance, prefix_sums, known_bounds, boundaries, start=None):
+def _search(inst: Instance, prefix_sums, known_bounds, boundaries, start=None,
+            valve_budget=None):
     """Best (bounds, modes): always exact up to :data:`EXACT_UNITS` units.
 
     ``known_bounds`` are groupings (as group end prefixes) whose simple-rule plans give
@@ -658,9 +666,9 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries, start=None):
     wins) a quarter.
 
     With a dense cost, or beyond :data:`EXACT_UNITS` units, once the turns together have
-    examined :data:`SEARCH_BUDGET` candidates, the best plan found so far is returned
-    with a :class:`SearchBudgetWarning` (the documented safety valve). Setting
-    ``EXACT_UNITS = 0`` applies that valve at every size.
+    examined :data:`SEARCH_BUDGET` candidates (``valve_budget`` when given), the best
+    plan found so far is returned with a :class:`SearchBudgetWarning` (the documented
+    safety valve). Setting ``EXACT_UNITS = 0`` applies that valve at every size.
     """
     rules = ("sparse",) if inst.dense is None else ("sparse", "dense", "cheaper")
     best_value, best_plan = math.inf, None
@@ -676,13 +684,14 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries, start=None):
 
     if boundaries is not None:
         exact = _FrontierSearch(
-            inst, upper_bound=best_value, boundaries=boundaries, budget=_valve(inst)
+            inst, upper_bound=best_value, boundaries=boundaries,
+            budget=_valve(inst, valve_budget)
         ).solve()
-        return exact if exact is not None else _budget_exceeded(inst, best_plan)
+        return exact if exact is not None else _budget_exceeded(inst, best_plan, valve_budget)
 
     # the safety valve (dense, or beyond EXACT_UNITS units) caps the candidates of all turns
     # together, counted as budgets granted
-    valve = _valve(inst)
+    valve = _valve(inst, valve_budget)
     granted = 0
 
     def grant(count):
@@ -763,10 +772,10 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries, start=None):
         if found is not None:
             return found
     # the valve closed: the best plan found, polished by a local search
-    return _budget_exceeded(inst, _polish(inst, prefix_sums, best_plan))
+    return _budget_exceeded(inst, _polish(inst, prefix_sums, best_plan), valve_budget)
 
 
-def _valve(inst: Instance) -> Optional[int]:
+def _valve(inst: Instance, budget=None) -> Optional[int]:
     """The search budget: none (exact) for sparse instances up to EXACT_UNITS units,
     SEARCH_BUDGET otherwise. With a dense cost the fronts can hold hundreds of thousands
     of states (minutes of search on 100-1000 units), and a plan that arrives minutes late
@@ -775,7 +784,7 @@ def _valve(inst: Instance) -> Optional[int]:
     plan against its alternatives anyway."""
     if inst.dense is None and inst.num_units <= EXACT_UNITS:
         return None
-    return SEARCH_BUDGET
+    return SEARCH_BUDGET if budget is None else budget
 
 
 # Windows the polish (_polish) of a budget-stopped plan may price in all: a count, so
@@ -896,10 +905,11 @@ def _polish(inst: Instance, prefix_sums, plan):
     return tuple(bounds), tuple(modes)
 
 
-def _budget_exceeded(inst: Instance, best_plan):
+def _budget_exceeded(inst: Instance, best_plan, budget=None):
+    name = f"SEARCH_BUDGET={SEARCH_BUDGET}" if budget is None else f"its budget of {budget}"
     warnings.warn(
         f"omgs_hook planner: the exact search over {inst.num_units} units exceeded "
-        f"SEARCH_BUDGET={SEARCH_BUDGET} candidate states; using the best plan found by a "
+        f"{name} candidate states; using the best plan found by a "
         f"beam search and the heuristics, improved by a local search (not proven optimal)",
         SearchBudgetWarning,
         stacklevel=4,
