@@ -879,6 +879,11 @@ class OMGSState:
         """All-gather one row of numbers per rank (blocking, from the hook only)."""
         work, out = self._start_gather(values, dtype)
         work.wait()
+        return self._rows_of(out)
+
+    def _rows_of(self, out):
+        """The gathered ``out`` of :meth:`_start_gather` (its work done): a row per rank,
+        on the host."""
         return out.view(self.world_size, out.numel() // self.world_size).cpu()
 
     def _start_gather(self, values, dtype=torch.float64):
@@ -1108,7 +1113,7 @@ class OMGSState:
             # to reach its bucket 0: most of the worst stalls at 1000 buckets). A step
             # no probe was issued for (the first after a resume) gathers them here.
             if probe is not None:
-                table = probe[2].view(self.world_size, -1).cpu()
+                table = self._rows_of(probe[2])
                 ready, plans, checksums = int(table[:, 0].min()) > 0, probe[3], table[:, 1:]
             else:
                 ready = float(self._gather_rows(
@@ -1245,8 +1250,7 @@ class OMGSState:
             started = time.perf_counter()
             layout, reason, work, out, meta, started_s = pending
             work.wait()
-            gathered = out.view(self.world_size, out.numel() // self.world_size).cpu()
-            self._replan(layout, reason, self._instance_from_rows(layout, gathered, meta))
+            self._replan(layout, reason, self._instance_from_rows(layout, self._rows_of(out), meta))
             # the re-plan's whole time on this thread: its start at the end of the step too
             self._note_stall(started_s + time.perf_counter() - started)
 
@@ -2212,8 +2216,7 @@ class OMGSState:
         chosen -, the achieved density of the sparse steps, bytes per step against dense
         all-reduce, and the predicted and measured step. ``scripts/train.py`` prints it
         at the end of a run."""
-        self._finish_replan()
-        s = self.stats()
+        s = self.stats()  # (which finishes a pending re-plan first)
         lines = []
         plan = self.plan
         if plan is None:

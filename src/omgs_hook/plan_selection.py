@@ -207,20 +207,13 @@ def _neighbour_times(inst: Instance, groups):
                                          in zip(groups, starts.tolist(), ends.tolist())):
         return None  # not contiguous runs: evaluate raises its own error
 
-    def costs(lo, hi):
-        backward, topk, comm, _ = planner_mod._group_costs(inst, prefix, lo, hi)
-        return backward + topk, comm
+    def costs(lo, hi):  # (X, Y) of sparse groups lo .. hi-1
+        return planner_mod._group_terms(inst, prefix, lo, hi)[0]
 
-    x, y = costs(starts, ends)
     m = len(groups)
-    c_before, e_before = np.zeros(m + 1), np.zeros(m + 1)
-    for j in range(m):
-        c_before[j + 1] = c_before[j] + x[j]
-        e_before[j + 1] = max(e_before[j], c_before[j + 1]) + y[j]
-    ys, g = np.zeros(m + 1), np.zeros(m + 1)  # of the suffix from group j on
-    for j in range(m - 1, -1, -1):
-        ys[j] = y[j] + ys[j + 1]
-        g[j] = x[j] + max(y[j] + ys[j + 1], g[j + 1])
+    # the state before group j, and the suffix from group j on (the polish's own pricing)
+    c_before, e_before, ys, g = (np.asarray(a) for a in planner_mod._heads_and_tails(
+        inst, prefix, ends.tolist(), [False] * m))
     # merge i: groups i and i + 1 as one
     i = np.arange(m - 1)
     mx, my = costs(starts[i], ends[i + 1])

@@ -777,7 +777,7 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries, start=None,
 
 def _valve(inst: Instance, budget=None) -> Optional[int]:
     """The search budget: none (exact) for sparse instances up to EXACT_UNITS units,
-    SEARCH_BUDGET otherwise. With a dense cost the fronts can hold hundreds of thousands
+    ``budget`` (default SEARCH_BUDGET) otherwise. With a dense cost the fronts can hold hundreds of thousands
     of states (minutes of search on 100-1000 units), and a plan that arrives minutes late
     stalls training - the hook waits for it at the agreed step - so there the valve
     always applies (about a second of work); the measured selection then checks the
