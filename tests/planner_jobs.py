@@ -13,6 +13,11 @@ def pid_and(value):
     return os.getpid(), value
 
 
+def pid_and_nice(value):
+    """(the process this ran in, its niceness, value)."""
+    return os.getpid(), os.nice(0), value
+
+
 def warn_and_return(message, value):
     warnings.warn(message, UserWarning)
     return value

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omgs_hook.background_planner import BackgroundPlanner
+from omgs_hook.background_planner import LOW_PRIORITY_NICE, BackgroundPlanner
 from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit
 from omgs_hook.planner import make_plan
 
@@ -357,6 +357,45 @@ def test_an_isolated_job_runs_in_another_process_with_the_same_result(planner, j
     assert planner.last_compute_s >= 0.0
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "nice"), reason="no OS niceness here")
+def test_a_low_priority_job_runs_in_a_process_of_the_lowest_priority(planner, jobs_importable):
+    import os
+
+    own = os.nice(0)
+    planner.submit(jobs_importable.pid_and_nice, "normal", apply_at_step=1, isolate=True)
+    normal_pid, normal_nice, value = planner.poll(1)
+    assert value == "normal" and normal_pid != os.getpid() and normal_nice == own
+    planner.submit(jobs_importable.pid_and_nice, "low", apply_at_step=2, isolate=True,
+                   low_priority=True)
+    low_pid, low_nice, value = planner.poll(2)
+    assert value == "low" and low_pid not in (os.getpid(), normal_pid)
+    assert low_nice == min(19, own + LOW_PRIORITY_NICE)  # (Linux caps niceness at 19)
+    # each kind keeps its own process for the next jobs
+    planner.submit(jobs_importable.pid_and_nice, 1, apply_at_step=3, isolate=True)
+    assert planner.poll(3)[0] == normal_pid
+    planner.submit(jobs_importable.pid_and_nice, 2, apply_at_step=4, isolate=True,
+                   low_priority=True)
+    assert planner.poll(4)[0] == low_pid
+    # low_priority without isolate: a thread, as before
+    planner.submit(jobs_importable.pid_and_nice, 3, apply_at_step=5, low_priority=True)
+    assert planner.poll(5)[:2] == (os.getpid(), own)
+
+
+def test_the_worker_reads_its_niceness_from_its_command_line(monkeypatch):
+    from omgs_hook import plan_worker
+
+    calls = []
+    monkeypatch.setattr(plan_worker.os, "nice", lambda n: calls.append(n) or n, raising=False)
+    assert plan_worker.lower_priority([]) == 0 and calls == []
+    assert plan_worker.lower_priority(["--nice", "19"]) == 19 and calls == [19]
+
+    def refused(n):
+        raise OSError("not permitted")
+
+    monkeypatch.setattr(plan_worker.os, "nice", refused, raising=False)
+    assert plan_worker.lower_priority(["--nice", "5"]) == 5  # the job still runs
+
+
 def test_an_isolated_jobs_error_and_warnings_reach_the_caller(planner, jobs_importable):
     planner.submit(jobs_importable.fail, "boom", apply_at_step=1, isolate=True)
     with pytest.raises(ValueError, match="boom"):
@@ -396,10 +435,14 @@ def test_close_ends_the_worker_process(jobs_importable):
     planner = BackgroundPlanner(name="bp-close-process")
     planner.submit(jobs_importable.pid_and, 1, apply_at_step=1, isolate=True)
     pid, _ = planner.poll(1)
-    process = planner._process._process
-    assert process.poll() is None  # running, waiting for the next job
+    planner.submit(jobs_importable.pid_and, 2, apply_at_step=2, isolate=True,
+                   low_priority=True)
+    planner.poll(2)
+    processes = [p._process for p in planner._processes.values()]
+    assert len(processes) == 2
+    assert all(process.poll() is None for process in processes)  # waiting for jobs
     assert planner.close(timeout=WAIT)
-    assert process.poll() is not None
+    assert all(process.poll() is not None for process in processes)
     assert not _our_threads("bp-close-process")
 
 
@@ -443,9 +486,14 @@ def test_the_hooks_planning_job_gives_the_same_result_in_the_process(planner):
 def test_start_process_warms_the_worker_for_the_first_isolated_job(jobs_importable):
     planner = BackgroundPlanner(name="bp-start-process")
     assert planner.start_process()
-    process = planner._process
+    process = planner._processes[0]
     planner.submit(jobs_importable.pid_and, 3, apply_at_step=1, isolate=True)
-    assert planner.poll(1)[1] == 3 and planner._process is process  # the same process
+    assert planner.poll(1)[1] == 3 and planner._processes[0] is process  # the same process
+    assert planner.start_process(low_priority=True)
+    low = planner._processes[LOW_PRIORITY_NICE]
+    planner.submit(jobs_importable.pid_and, 4, apply_at_step=2, isolate=True,
+                   low_priority=True)
+    assert planner.poll(2)[1] == 4 and planner._processes[LOW_PRIORITY_NICE] is low
     assert planner.close(timeout=WAIT)
     with pytest.raises(RuntimeError, match="after close"):
         planner.start_process()
@@ -457,7 +505,7 @@ def test_a_planner_dropped_without_close_ends_its_process(jobs_importable):
     planner = BackgroundPlanner(name="bp-dropped")
     planner.submit(jobs_importable.pid_and, 1, apply_at_step=1, isolate=True)
     planner.poll(1)
-    process = planner._process._process
+    process = planner._processes[0]._process
     del planner
     gc.collect()
     assert process.wait(timeout=WAIT) is not None

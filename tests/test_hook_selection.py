@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import omgs_hook
-from omgs_hook import plan_selection
+from omgs_hook import background_planner, plan_selection
 from ddp_harness import run_ranks
 from test_hook_ddp import DENSITY, Net, _train_planner_settled, batch, loss_fn, train_steps
 
@@ -579,24 +579,32 @@ def test_a_pinned_plan_keeps_its_exchange_or_is_refused_clearly():
         assert r["runs"] == ("flat", "flat")
 
 
-def isolated_selection_worker(rank, world_size, steps, isolate_units):
-    """selection_worker with planning jobs isolated from ``isolate_units`` units on."""
+def isolated_selection_worker(rank, world_size, steps, isolate_units, has_a_core=True):
+    """selection_worker with planning jobs isolated from ``isolate_units`` units on, on
+    a host with a core to spare for the planner or (``has_a_core=False``) without."""
     from omgs_hook import hook as hook_mod
 
     hook_mod.ISOLATE_UNITS = isolate_units
-    hook_mod.planner_has_a_core = lambda world_size: True  # (2 ranks on 2 cores: none)
+    hook_mod.planner_has_a_core = lambda world_size: has_a_core  # (2 ranks, 2 cores: none)
     model, ddp, state, opt = build(rank, replan_every=6)
+    where = []
+    submit = state._planner.submit
+
+    def noting_submit(*args, isolate, low_priority, **kwargs):
+        where.append("low" if isolate and low_priority else "process" if isolate else "thread")
+        return submit(*args, isolate=isolate, low_priority=low_priority, **kwargs)
+
+    state._planner.submit = noting_submit
     # a job is put in use at the first step every rank's planner is done: waiting for it
     # after each step keeps a process's start-up from moving the switch to a later step
     _train_planner_settled(ddp, opt, state, 0, steps, rank)
     stats = state.stats()
-    process = state._planner._process
-    in_process = process is not None and process.alive
+    alive = sorted(nice for nice, p in state._planner._processes.items() if p.alive)
     del ddp, state
     gc.collect()
     return {"history": [(h["step"], h["strategy"], h["groups"], h["dense"])
                         for h in stats["plan_history"]],
-            "in_process": in_process, "replans": stats["total"]["replans"]}
+            "processes": alive, "where": where, "replans": stats["total"]["replans"]}
 
 
 @pytest.mark.timeout(180)
@@ -607,10 +615,27 @@ def test_plans_computed_in_the_worker_process_go_into_use_on_every_rank_alike():
     the thread would is tested on the job itself (test_background_planner.py)."""
     isolated = run_ranks("test_hook_selection", "isolated_selection_worker", world_size=2,
                          steps=20, isolate_units=1)
-    assert all(r["in_process"] for r in isolated)
+    assert all(r["processes"] == [0] for r in isolated)
+    assert all(set(r["where"]) == {"process"} for r in isolated)
     assert isolated[0]["replans"] >= 1
     assert isolated[0]["history"] == isolated[1]["history"]
     assert len(isolated[0]["history"]) >= 3  # the first plan and the trial's candidates
+
+
+@pytest.mark.timeout(240)
+def test_without_a_core_to_spare_re_plans_run_in_the_low_priority_process_alike():
+    """No core to spare: the first plan on a thread (at training's priority), every
+    re-plan in the low-priority worker process; the plans go into use at the same steps
+    with the same plans on both ranks. (That a process computes what a thread would is
+    tested on the job itself, test_background_planner.py.)"""
+    low = run_ranks("test_hook_selection", "isolated_selection_worker", world_size=2,
+                    steps=50, isolate_units=1, has_a_core=False)
+    for r in low:
+        assert r["where"][0] == "thread" and len(r["where"]) >= 3, r["where"]
+        assert set(r["where"][1:]) == {"low"}, r["where"]
+        assert r["processes"] == [background_planner.LOW_PRIORITY_NICE]
+    assert low[0]["history"] == low[1]["history"]
+    assert len(low[0]["history"]) >= 3
 
 
 def test_planner_processes_only_where_the_host_has_cores_to_spare(monkeypatch):
@@ -637,18 +662,33 @@ def test_only_large_or_slow_planning_jobs_go_to_the_worker_process(monkeypatch):
     monkeypatch.setattr(hook_mod.dist, "get_world_size", lambda group=None: 2)
     submitted = []
     monkeypatch.setattr(state._planner, "submit",
-                        lambda fn, *args, apply_at_step, isolate: submitted.append(isolate))
+                        lambda fn, *args, apply_at_step, isolate, low_priority:
+                        submitted.append("low" if isolate and low_priority
+                                         else "process" if isolate else "thread"))
 
-    def isolated(units, last_compute_s=0.0, has_a_core=True):
+    def where(units, last_compute_s=0.0, has_a_core=True, plan_in_use=False):
         monkeypatch.setattr(hook_mod, "planner_has_a_core", lambda world_size: has_a_core)
+        state.plan = object() if plan_in_use else None
         state._planner.last_compute_s = last_compute_s
         state._submit_plan_job({"instance": {"layers": [{}] * units}, "apply_at_step": 3})
         return submitted[-1]
 
-    assert not isolated(hook_mod.ISOLATE_UNITS - 1)  # small instances stay on the thread
-    assert isolated(hook_mod.ISOLATE_UNITS)
-    assert isolated(10, last_compute_s=2 * hook_mod.REPLAN_STALL_BUDGET_S)  # after a slow job
-    assert not isolated(hook_mod.ISOLATE_UNITS, has_a_core=False)
+    large = hook_mod.ISOLATE_UNITS
+    for plan_in_use in (False, True):
+        assert where(large - 1, plan_in_use=plan_in_use) == "thread"  # small ones stay
+        assert where(large, plan_in_use=plan_in_use) == "process"
+        # after a slow job
+        assert where(10, 2 * hook_mod.REPLAN_STALL_BUDGET_S, plan_in_use=plan_in_use) == "process"
+        assert where(large - 1, has_a_core=False, plan_in_use=plan_in_use) == "thread"
+    # no core to spare: the first plan on the thread, a re-plan at the lowest priority
+    assert where(large, has_a_core=False) == "thread"
+    assert where(large, has_a_core=False, plan_in_use=True) == "low"
+    # (a small model's job that was slow once stays on the thread)
+    assert where(10, 2 * hook_mod.REPLAN_STALL_BUDGET_S, has_a_core=False,
+                 plan_in_use=True) == "thread"
+    monkeypatch.setattr(hook_mod, "LOW_PRIORITY_REPLANS", False)
+    assert where(large, has_a_core=False, plan_in_use=True) == "thread"
+    state.plan = None
 
 
 def between_steps_worker(rank, world_size, steps, pause_every):

@@ -57,6 +57,15 @@ the job runs on a thread instead (with one ``RuntimeWarning``): the result is th
 only the lock is shared again. ``last_compute_s`` is the CPU time the last finished job
 took, wherever it ran: a caller can isolate the next job when that is longer than the
 stall it can afford.
+
+Low priority (``submit(..., isolate=True, low_priority=True)``): the job runs in a second
+worker process whose OS priority is the lowest (niceness ``LOW_PRIORITY_NICE``). Where
+the training processes fill every core, a planner at their priority takes its CPU from
+them; at the lowest one it runs in the cores' idle time (a rank waiting for the network)
+and otherwise gets a few percent, so the plan arrives later rather than the steps
+slowing. A low-priority *thread* would not do: while the OS leaves it waiting it may
+hold the interpreter lock that the training thread needs (measured: single steps of
+0.7-0.8 s, docs/design.md). A process shares no lock.
 """
 
 from __future__ import annotations
@@ -75,6 +84,11 @@ from typing import Any, Callable, Dict, List, Optional
 __all__ = ["BackgroundPlanner"]
 
 _thread_numbers = itertools.count(1)
+
+#: niceness of the low-priority worker process (``submit(..., low_priority=True)``): the
+#: lowest priority on Linux, where CFS gives it about 1.5% of a core that a nice-0 task
+#: also wants and all of an idle one
+LOW_PRIORITY_NICE = 19
 
 
 class _Job:
@@ -152,7 +166,7 @@ class _WorkerProcess:
     that reads its answers. ``send`` hands it a job; the answer finishes the job. When
     the process dies, the jobs it still had run on threads (``fallback``)."""
 
-    def __init__(self, name, fallback):
+    def __init__(self, name, fallback, nice=0):
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
         # the worker imports this very omgs_hook, whatever the parent's sys.path was
@@ -162,7 +176,8 @@ class _WorkerProcess:
 
         self._framing = plan_worker
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "omgs_hook.plan_worker"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "omgs_hook.plan_worker"]
+            + (["--nice", str(int(nice))] if nice else []), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=env, close_fds=True)
         # weakly: the reader thread must not keep its planner alive (a planner dropped
         # without close() ends its process through a finalizer)
@@ -251,9 +266,10 @@ class BackgroundPlanner:
 
     Methods and properties:
 
-    ``submit(fn, *args, apply_at_step, isolate=False, **kwargs)``
+    ``submit(fn, *args, apply_at_step, isolate=False, low_priority=False, **kwargs)``
         Start ``fn(*args, **kwargs)`` on an idle worker thread (a new daemon thread when
-        none is idle) or, with ``isolate``, in the worker process. The result is due at
+        none is idle) or, with ``isolate``, in the worker process (with
+        ``low_priority``, the low-priority one). The result is due at
         step ``apply_at_step`` (keyword only, an int). It replaces a pending job, whose
         result is then discarded. Raises ``RuntimeError`` after :meth:`close`.
     ``poll(step) -> result or None``
@@ -273,9 +289,9 @@ class BackgroundPlanner:
         Cancel, then join every worker thread this planner started. ``True`` when none
         is left running; with a ``timeout`` (seconds, for all threads together) a thread
         still running makes it ``False``. Idempotent; also the context manager's exit.
-    ``start_process() -> bool``
-        Start the worker process for isolated jobs now (it starts at the first isolated
-        job otherwise). ``True`` when it runs.
+    ``start_process(low_priority=False) -> bool``
+        Start the worker process for isolated jobs (of that priority) now (it starts at
+        the first such job otherwise). ``True`` when it runs.
     ``last_compute_s`` (float)
         CPU seconds the last finished job took (0.0 before any).
     ``last_wait_s`` (float)
@@ -295,17 +311,19 @@ class BackgroundPlanner:
         self._closed = False
         self.last_wait_s = 0.0
         self.last_compute_s = 0.0
-        self._process: Optional[_WorkerProcess] = None
-        self._process_starts = 0
+        # worker processes by niceness (0: the caller's priority; LOW_PRIORITY_NICE)
+        self._processes: Dict[int, _WorkerProcess] = {}
+        self._process_starts: Dict[int, int] = {}
         self._warned = False
 
     # -- submitting -----------------------------------------------------------------
 
     def submit(self, fn: Callable[..., Any], *args, apply_at_step: int, isolate: bool = False,
-               **kwargs) -> None:
+               low_priority: bool = False, **kwargs) -> None:
         """Start ``fn(*args, **kwargs)`` in the background; its result is due at
         ``apply_at_step``. Replaces (cancels) a pending job. ``isolate``: run it in the
-        worker process (module docstring), not on a thread."""
+        worker process (module docstring), not on a thread; with ``low_priority`` in a
+        worker process of the lowest OS priority (module docstring)."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         apply_at_step = _check_step(apply_at_step, "apply_at_step")
@@ -315,7 +333,7 @@ class BackgroundPlanner:
             if self._closed:
                 raise RuntimeError("BackgroundPlanner.submit after close()")
             self._job = job  # a pending job is replaced: its outcome is never looked at
-            if isolate and self._send_to_process(job):
+            if isolate and self._send_to_process(job, LOW_PRIORITY_NICE if low_priority else 0):
                 return
             self._start_thread(job)
 
@@ -345,44 +363,49 @@ class BackgroundPlanner:
                           "continues on a thread", RuntimeWarning, stacklevel=2)
         self._start_thread(job)
 
-    def start_process(self) -> bool:
-        """Start the worker process now, ahead of the first isolated job (Python's start
-        and imports take a few hundred ms, which would otherwise delay that job). True
-        when a process is running. Raises ``RuntimeError`` after :meth:`close`."""
+    def start_process(self, low_priority: bool = False) -> bool:
+        """Start the worker process now (the low-priority one with ``low_priority``),
+        ahead of the first isolated job (Python's start and imports take a few hundred
+        ms, which would otherwise delay that job). True when a process is running.
+        Raises ``RuntimeError`` after :meth:`close`."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("BackgroundPlanner.start_process after close()")
-            return self._ensure_process()
+            return self._ensure_process(LOW_PRIORITY_NICE if low_priority else 0)
 
-    def _ensure_process(self) -> bool:
-        """A live worker process (started, or restarted once if it died), or False.
-        Called with the lock held."""
-        if self._process is not None and self._process.alive:
+    def _ensure_process(self, nice: int) -> bool:
+        """A live worker process of niceness ``nice`` (started, or restarted once if it
+        died), or False. Called with the lock held."""
+        process = self._processes.get(nice)
+        if process is not None and process.alive:
             return True
-        if self._process_starts >= 2:
+        starts = self._process_starts.get(nice, 0)
+        if starts >= 2:
             return False
-        self._process_starts += 1
+        self._process_starts[nice] = starts + 1
         try:
-            self._process = _WorkerProcess(self._name, self._orphaned)
-            # a planner dropped without close() still ends its process
-            weakref.finalize(self, self._process.close, 10.0)
+            process = _WorkerProcess(self._name, self._orphaned, nice)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"omgs_hook: the planner's worker process could not start "
                               f"({exc}); planning runs on a thread", RuntimeWarning,
                               stacklevel=4)
-            self._process_starts = 2
+            self._process_starts[nice] = 2
             return False
+        self._processes[nice] = process
+        # a planner dropped without close() still ends its process
+        weakref.finalize(self, process.close, 10.0)
         return True
 
-    def _send_to_process(self, job: _Job) -> bool:
-        """Hand ``job`` to the worker process (started on first use, restarted once if
-        it died); False when no process can take it. Called with the lock held."""
+    def _send_to_process(self, job: _Job, nice: int) -> bool:
+        """Hand ``job`` to the worker process of niceness ``nice`` (started on first
+        use, restarted once if it died); False when no process can take it. Called with
+        the lock held."""
         for _ in range(2):
-            if not self._ensure_process():
+            if not self._ensure_process(nice):
                 return False
-            if self._process.send(job):
+            if self._processes[nice].send(job):
                 return True
         return False
 
@@ -445,9 +468,9 @@ class BackgroundPlanner:
         with self._lock:
             self._closed = True
             self._job = None
-            process, self._process = self._process, None
+            processes, self._processes = list(self._processes.values()), {}
         deadline = None if timeout is None else time.monotonic() + timeout
-        if process is not None:  # (orphans it leaves start threads: joined below too)
+        for process in processes:  # (orphans they leave start threads: joined below too)
             process.close(timeout if timeout is not None else 10.0)
         _stop_threads(self._workers, self._threads_lock)
         with self._threads_lock:

@@ -96,11 +96,15 @@ PLAN_LAG = 2
 # the training thread, background_planner) when its instance has at least this many
 # units, or when the last job took longer than REPLAN_STALL_BUDGET_S of CPU: on a thread
 # it would hold the lock that DDP's and this hook's Python need at every bucket.
-# Only where the host has a core to spare for it, though: on a host whose cores the
-# ranks' own threads fill (2 ranks on 2 cores) a planner process would take CPU from
-# training, which costs more than the shared lock (planner_has_a_core).
+# At training's priority only where the host has a core to spare for it, though: on a
+# host whose cores the ranks' own threads fill (2 ranks on 2 cores) such a process would
+# take CPU from training, which costs more than the shared lock (planner_has_a_core).
 ISOLATE_UNITS = 100
 REPLAN_STALL_BUDGET_S = 0.02
+# There, such a job runs in the planner's low-priority worker process when a plan is in
+# use meanwhile (a re-plan): in the cores' idle time, so that it delays its plan instead
+# of slowing the steps; the first plan stays on the thread (docs/design.md)
+LOW_PRIORITY_REPLANS = True
 WORLD_SIZE_POLICIES = ("error", "reset")
 UNAPPLIED_POLICIES = ("rewind", "keep")
 # this many steps in a row whose gradient looked unapplied is not a discard pattern (a
@@ -1209,10 +1213,13 @@ class OMGSState:
         self._layout_streak = (layout, streak + 1 if previous == layout else 1)
         self.step += 1
         if (self.step == 1 and len(layout) >= ISOLATE_UNITS and self._pinned is None
-                and not self._planner.closed and planner_has_a_core(self.world_size)):
+                and not self._planner.closed):
             # its plans will be computed in the planner's worker process: start it now,
-            # so that its start-up does not delay the first plan
-            self._planner.start_process()
+            # so that its start-up does not delay the first plan (without a core to
+            # spare: the low-priority one, for the re-plans)
+            spare_core = planner_has_a_core(self.world_size)
+            if spare_core or LOW_PRIORITY_REPLANS:
+                self._planner.start_process(low_priority=not spare_core)
         if self.density >= 1.0 or self.step < self.warmup_steps:
             return
         if self._pinned is not None:
@@ -1888,11 +1895,18 @@ class OMGSState:
 
     def _submit_plan_job(self, job):
         self._plan_job, self._polled_result = job, None
-        isolate = ((len(job["instance"]["layers"]) >= ISOLATE_UNITS
-                    or self._planner.last_compute_s > REPLAN_STALL_BUDGET_S)
-                   and planner_has_a_core(self.world_size))
+        many_units = len(job["instance"]["layers"]) >= ISOLATE_UNITS
+        large = many_units or self._planner.last_compute_s > REPLAN_STALL_BUDGET_S
+        spare_core = planner_has_a_core(self.world_size)
+        # no core to spare: a re-plan of a large model (a plan is in use meanwhile) runs
+        # at the lowest priority, in the cores' idle time; the first plan at training's
+        # own, on a thread. (A small model's job that was slow once - a loaded host -
+        # stays on the thread: its plan is not held up for many steps.)
+        low = (many_units and not spare_core and self.plan is not None
+               and LOW_PRIORITY_REPLANS)
         self._planner.submit(_compute_plan, job, self.strategy, self.select,
-                             apply_at_step=int(job["apply_at_step"]), isolate=isolate)
+                             apply_at_step=int(job["apply_at_step"]),
+                             isolate=(large and spare_core) or low, low_priority=low)
 
     def _plans_of(self, job, result):
         """The GroupPlans of a planner ``result`` for ``job``, made at ``self.step`` (the

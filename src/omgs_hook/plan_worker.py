@@ -13,11 +13,14 @@ stdin and results leave on stdout as length-prefixed pickles:
   re-emit; and the CPU seconds it took.
 
 The process ends when stdin closes (its parent closed the planner, or died).
+``--nice N`` lowers its OS priority by N first (the low-priority worker; where the OS
+has no niceness the flag changes nothing).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
 import struct
 import sys
@@ -59,7 +62,21 @@ def run_job(module, function, args, kwargs):
     return ok, value, [(w.category, str(w.message)) for w in caught]
 
 
+def lower_priority(argv):
+    """Apply ``--nice N`` from ``argv`` (the worker's command line); returns N (0 without
+    the flag). A platform without ``os.nice`` keeps its priority."""
+    if "--nice" not in argv:
+        return 0
+    nice = int(argv[argv.index("--nice") + 1])
+    try:
+        os.nice(nice)
+    except (AttributeError, OSError):  # (no niceness here: the job still runs)
+        pass
+    return nice
+
+
 def main():
+    lower_priority(sys.argv[1:])
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the result stream
     while True:
