@@ -136,6 +136,9 @@ BAD_INSTANCES = [
     (("tail_s",), -0.5, "tail_s"),
     (("tail_s",), True, "tail_s"),
     (("tail_s",), float("inf"), "tail_s"),
+    (("level_s",), float("nan"), "level_s"),
+    (("level_s",), False, "level_s"),
+    (("level_s",), "-0.1", "level_s"),
     (("comm",), _DELETE, "comm"),
     (("comm",), 0.002, "comm"),
     (("comm", "alpha_s"), -1.0, "comm.alpha_s"),
@@ -225,6 +228,19 @@ def test_tail_is_added_to_every_plan_and_round_trips():
         a, b = simulate(base, groups), simulate(tailed, groups)
         assert b.predicted_iteration_s == pytest.approx(a.predicted_iteration_s + 0.25, rel=1e-14)
         assert b.non_overlapped_s == a.non_overlapped_s  # the tail is not exchange time
+
+
+def test_the_level_is_a_constant_of_either_sign_and_round_trips():
+    base = Instance.from_dict(instance_dict(tail_s=0.25))
+    assert base.level_s == 0.0 and "level_s" not in base.to_dict()
+    for level in (-0.125, 0.5):
+        levelled = Instance.from_dict(instance_dict(tail_s=0.25, level_s=level))
+        assert levelled.to_dict()["level_s"] == level
+        assert Instance.from_dict(levelled.to_dict()) == levelled
+        for groups in ([[0, 1], [2]], [[0], [1], [2]]):
+            a, b = simulate(base, groups), simulate(levelled, groups)
+            assert b.predicted_iteration_s == pytest.approx(a.predicted_iteration_s + level)
+            assert (b.comm_end_s, b.non_overlapped_s) == (a.comm_end_s, a.non_overlapped_s)
 
 
 def test_simulate_network_waits_for_the_previous_collective():

@@ -502,7 +502,12 @@ def test_re_planning_runs_off_the_autograd_thread_and_every_rank_switches_at_the
     # nor does a re-plan block for its numbers: they are gathered asynchronously from the
     # end of the step that starts it to the next bucket 0
     assert "_build_instance" not in fast["gathered_by"] + slow["gathered_by"]
-    assert fast["history"] == slow["history"] and len(fast["history"]) >= 2
+    # the same plans on both ranks, each from a step a re-plan was put in use at. (Whether
+    # a re-plan *changes* the plan depends on the timings: on a busy host the 6-bucket
+    # model's re-plans kept the first plan, and the history, which records changes,
+    # held one entry - a 1-in-4 failure when the test asked for two.)
+    assert fast["history"] == slow["history"] and len(fast["history"]) >= 1
+    assert {entry["step"] for entry in fast["history"]} <= set(fast["applied"])
 
 
 def start_worker(rank, world_size, steps):

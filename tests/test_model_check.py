@@ -284,6 +284,36 @@ def test_the_trial_correction_adds_its_slopes_but_not_its_level():
     clamped = _corrected(base, Correction(sparse_group_s=-1.0))
     assert clamped.topk.c0 == 0.0
     assert _corrected(base, None) is base
+    assert got.level_s == 0.0  # no reference (a correction saved before the centring)
+
+
+def test_the_group_term_is_centred_on_the_trials_typical_plan():
+    """A plan with the reference's sparse groups keeps the fresh model's prediction; one
+    with fewer or more moves by the term per group of difference. (The instance is
+    compute-bound: every group's top-k lies on the critical path.)"""
+    from omgs_hook.cost_model import Instance, TopkCost, Unit
+    from omgs_hook.hook import _corrected
+    from omgs_hook.plan_selection import Correction
+    from omgs_hook.planner import predicted_iteration_s
+
+    base = Instance(layers=tuple(Unit(numel=1000, backward_s=0.01) for _ in range(6)),
+                    world_size=8, density=0.01, forward_s=0.2,
+                    comm=LinearCost(1e-5, 1e-10), topk=TopkCost(1e-3, 1e-9, 0.0), tail_s=0.02)
+    correction = Correction(constant_s=-0.138, sparse_group_s=0.049, sparse_groups_ref=3.0)
+    got = _corrected(base, correction)
+    assert got.level_s == pytest.approx(-0.049 * 3)
+    plans = {1: [list(range(6))], 2: [[0, 1, 2], [3, 4, 5]], 3: [[0, 1], [2, 3], [4, 5]],
+             6: [[i] for i in range(6)]}
+    for groups, plan in plans.items():
+        before = predicted_iteration_s(base, plan, [False] * groups)
+        after = predicted_iteration_s(got, plan, [False] * groups)
+        assert after - before == pytest.approx(0.049 * (groups - 3), abs=1e-9)
+    # clamped at zero: only what the clamp let through is taken back
+    cut = _corrected(base, Correction(sparse_group_s=-0.005, sparse_groups_ref=2.0))
+    assert cut.topk.c0 == 0.0 and cut.level_s == pytest.approx(1e-3 * 2)
+    # never below minus the step outside backward: no prediction can be absurd
+    far = _corrected(base, Correction(sparse_group_s=1.0, sparse_groups_ref=40.0))
+    assert far.level_s == pytest.approx(-(0.2 + 0.02))
 
 
 def settled_check_worker(rank, world_size, steps, sleep_s):

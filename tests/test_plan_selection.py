@@ -682,6 +682,35 @@ def test_fit_correction_is_not_tilted_by_one_candidate_far_off_the_line():
     assert got.sparse_group_s == pytest.approx(0.001, rel=1e-9)
 
 
+def test_the_group_term_is_centred_on_the_trials_typical_plan():
+    """ResNet-20 on 8 ranks at density 0.01 (2026-12-05): the model priced TopK-SGD's one
+    group 108 ms too slow and plans of 2-4 groups 18-47 ms too slow, so the fit's line
+    falls steeply towards one group and its constant - its value at *no* group - is far
+    below every candidate. The reference is the candidates' median group count, where
+    the line sits among the points."""
+    numels = [1000] * 8
+    plans = [([[0, 1], [2, 3, 4], [5, 6, 7]], 0.781, 0.750),
+             ([list(range(8))], 0.975, 0.867),
+             ([[0], [1, 2, 3, 4], [5, 6, 7]], 0.808, 0.761),
+             ([[0, 1, 2, 3], [4, 5, 6, 7]], 0.817, 0.776),
+             ([[0, 1], [2, 3], [4, 5], [6, 7]], 0.782, 0.764)]
+    candidates = [{"groups": g, "dense": [False] * len(g), "predicted_s": p, "measured_s": m}
+                  for g, p, m in plans]
+    got = fit_correction(candidates, numels)
+    assert got.sparse_group_s > 0.02 and got.constant_s < -0.1  # steep, from far below
+    assert got.sparse_groups_ref == 3.0
+    # at the reference the line is within the points' spread; the constant is not
+    at_ref = got.constant_s + got.sparse_group_s * got.sparse_groups_ref
+    residuals = [m - p for _, p, m in plans]
+    assert min(residuals) <= at_ref <= max(residuals)
+    assert got.constant_s < min(residuals)
+    # a state saved before the centring has no reference: the term counts from zero
+    old = {k: v for k, v in got.to_dict().items() if k != "sparse_groups_ref"}
+    assert Correction.from_dict(old).sparse_groups_ref == 0.0
+    # no group term fitted (one point): no reference either
+    assert fit_correction(candidates[:1], numels).sparse_groups_ref == 0.0
+
+
 def test_fit_correction_never_leaves_out_a_point_below_its_line():
     """CI's selection trial (2026-12-04, the test Net's six buckets): the model's plan sends
     three small buckets dense and measured 90 ms above the model, the all-dense plan 39 ms.

@@ -902,16 +902,21 @@ def test_search_budget_is_a_safety_valve_beyond_exact_units(monkeypatch):
         assert make_plan(inst) == exact
 
 
-def test_the_tail_moves_every_prediction_but_never_the_plan():
+@pytest.mark.parametrize("field,shift", [("tail_s", 0.125), ("level_s", -0.0375),
+                                         ("level_s", 0.2)])
+def test_the_tail_and_the_level_move_every_prediction_but_never_the_plan(field, shift):
     rng = np.random.default_rng(7)
     for dense in (False, True):
         for _ in range(20):
             inst = random_instance(rng, int(rng.integers(2, 30)), dense)
-            tailed = dataclasses.replace(inst, tail_s=0.125)
+            moved = dataclasses.replace(inst, **{field: shift})
             for strategy in ("optimal", "greedy", "layerwise", "single"):
-                a, b = make_plan(inst, strategy), make_plan(tailed, strategy)
+                a, b = make_plan(inst, strategy), make_plan(moved, strategy)
                 assert (a.groups, a.dense) == (b.groups, b.dense)
-                assert b.predicted_iteration_s == pytest.approx(a.predicted_iteration_s + 0.125)
+                assert b.predicted_iteration_s == pytest.approx(a.predicted_iteration_s + shift)
+                # the vectorised walk the hook's checks use agrees
+                walked = planner.predicted_iteration_s(moved, b.groups, list(b.dense))
+                assert walked == pytest.approx(b.predicted_iteration_s)
 
 
 # ------------------------------------------------------------- the int32 index range

@@ -26,7 +26,7 @@ done and the previous collective has finished:
 
 * compute:  ``c_0 = 0``,  ``c_j = c_{j-1} + B_j + t_s(D_j)``
 * network:  ``e_0 = 0``,  ``e_j = max(e_{j-1}, c_j) + t_c(D_j)``
-* ``predicted_iteration_s = forward_s + e_m + tail_s``
+* ``predicted_iteration_s = forward_s + e_m + tail_s + level_s``
 * ``non_overlapped_s = e_m - sum_j B_j`` (time the iteration spends on sparsification and
   communication beyond the backward pass itself)
 
@@ -34,7 +34,9 @@ done and the previous collective has finished:
 the next forward pass: DDP's finalisation, the optimiser step, ``zero_grad`` and loading
 the next batch. It is the same for every plan, so it never changes which plan is best;
 it makes ``predicted_iteration_s`` comparable with a measured iteration (forward start
-to forward start). The hook measures it while training.
+to forward start). The hook measures it while training. ``level_s`` (optional, default
+0, either sign) is a constant as well: the level the hook's measured correction is
+centred on (docs/design.md), never a phase of the step.
 
 The hook also folds its own per-group work on the compute stream (assembling gradient +
 residual, the NaN check, packing, issuing the collective) into the top-k cost it plans
@@ -147,8 +149,9 @@ class InstanceError(ValueError):
 # validation helpers: each returns the cleaned value or raises InstanceError(field)
 
 
-def _number(value, field: str, *, positive: bool = False) -> float:
-    """A finite, non-negative (or strictly positive) real number; bools are rejected."""
+def _number(value, field: str, *, positive: bool = False, signed: bool = False) -> float:
+    """A finite, non-negative (strictly positive with ``positive``, of either sign with
+    ``signed``) real number; bools are rejected."""
     # bool is an Integral in Python; `true` in JSON is never a meaningful time or rate.
     # (exact float and int first: the ABC check costs microseconds, and the hook builds
     # instances of a thousand units on the training thread)
@@ -160,7 +163,7 @@ def _number(value, field: str, *, positive: bool = False) -> float:
         raise InstanceError(field, f"must be finite, got {value!r}")
     if positive and value <= 0:
         raise InstanceError(field, f"must be positive, got {value!r}")
-    if value < 0:
+    if value < 0 and not signed:
         raise InstanceError(field, f"must be non-negative, got {value!r}")
     return value
 
@@ -403,6 +406,8 @@ class Instance:
             group dense where that is cheaper.
         tail_s: time from the end of the last collective to the next forward (DDP's
             finalisation, optimiser step, data); added to every plan's prediction.
+        level_s: a constant of either sign added to every plan's prediction (the hook's
+            centring of its measured correction); like ``tail_s`` it ranks no plan.
         hierarchy: optional :class:`Hierarchy`; when given, every group (sparse or
             dense) uses the two-level timeline of the module docstring (``comm`` is then unused by the
             timeline; it stays the flat all-gather cost, for comparison).
@@ -419,6 +424,7 @@ class Instance:
     dense: Optional[LinearCost] = None
     tail_s: float = 0.0
     hierarchy: Optional[Hierarchy] = None
+    level_s: float = 0.0
 
     def __post_init__(self):
         layers = self.layers
@@ -437,6 +443,7 @@ class Instance:
         object.__setattr__(self, "density", density)
         object.__setattr__(self, "forward_s", _number(self.forward_s, "forward_s"))
         object.__setattr__(self, "tail_s", _number(self.tail_s, "tail_s"))
+        object.__setattr__(self, "level_s", _number(self.level_s, "level_s", signed=True))
         for name, kind in (("comm", LinearCost), ("topk", TopkCost)):
             if not isinstance(getattr(self, name), kind):
                 raise InstanceError(
@@ -586,7 +593,7 @@ class Instance:
     # -- JSON form ------------------------------------------------------------------------
 
     _KEYS = ("layers", "world_size", "density", "forward_s", "comm", "topk")
-    _OPTIONAL = ("value_bytes", "index_bytes", "dense", "tail_s", "hierarchy")
+    _OPTIONAL = ("value_bytes", "index_bytes", "dense", "tail_s", "hierarchy", "level_s")
 
     @classmethod
     def from_dict(cls, d) -> "Instance":
@@ -626,6 +633,7 @@ class Instance:
             dense=None if dense is None else LinearCost.from_dict(dense, "dense"),
             tail_s=_number(d.get("tail_s", 0.0), "tail_s"),
             hierarchy=None if hierarchy is None else Hierarchy.from_dict(hierarchy),
+            level_s=_number(d.get("level_s", 0.0), "level_s", signed=True),
         )
 
     def to_dict(self) -> dict:
@@ -645,7 +653,15 @@ class Instance:
             d["tail_s"] = self.tail_s
         if self.hierarchy is not None:
             d["hierarchy"] = self.hierarchy.to_dict()
+        if self.level_s:
+            d["level_s"] = self.level_s
         return d
+
+    @property
+    def fixed_s(self) -> float:
+        """What every plan's prediction adds to the end of its last collective:
+        ``forward_s + tail_s + level_s``."""
+        return self.forward_s + self.tail_s + self.level_s
 
 
 # ---------------------------------------------------------------------------
@@ -657,7 +673,7 @@ class Timeline:
     """Result of :func:`simulate`.
 
     ``compute_end_s`` (``c_m``) and ``comm_end_s`` (``e_m``) are measured from the start
-    of backward; ``predicted_iteration_s = forward_s + comm_end_s + tail_s``.
+    of backward; ``predicted_iteration_s = forward_s + comm_end_s + tail_s + level_s``.
     """
 
     predicted_iteration_s: float
@@ -769,7 +785,7 @@ def simulate(inst: Instance, groups, dense=None) -> Timeline:
             compute += backward + inst.topk_time(numel)
             network = max(network, compute) + inst.sparse_comm_time(numel)
     return Timeline(
-        predicted_iteration_s=inst.forward_s + network + inst.tail_s,
+        predicted_iteration_s=network + inst.fixed_s,
         non_overlapped_s=network - backward_total,
         compute_end_s=compute,
         comm_end_s=network,
@@ -879,7 +895,8 @@ def _replace(inst: Instance, **changes) -> Instance:
     fields = dict(layers=inst.layers, world_size=inst.world_size, density=inst.density,
                   forward_s=inst.forward_s, comm=inst.comm, topk=inst.topk,
                   value_bytes=inst.value_bytes, index_bytes=inst.index_bytes,
-                  dense=inst.dense, tail_s=inst.tail_s, hierarchy=inst.hierarchy)
+                  dense=inst.dense, tail_s=inst.tail_s, hierarchy=inst.hierarchy,
+                  level_s=inst.level_s)
     fields.update(changes)
     return Instance(**fields)
 

@@ -236,7 +236,10 @@ def _corrected(base, correction):
     The constant is left out: it is the trial's level, measured under the load of its
     steps, and moves with it (a trial in a loaded spell carried +150 ms into every later
     prediction); the tail and the rest of the step come from the fresh measurements,
-    and a constant changes no plan's rank."""
+    and a constant changes no plan's rank. The group term is centred on the trial's
+    typical plan (``sparse_groups_ref``): ``level_s`` takes back what the term, as
+    clamped, adds to a plan with that many sparse groups (never below minus the rest of
+    the step outside backward, so that no prediction is absurd)."""
     if correction is None:
         return base
     dense = base.dense
@@ -244,12 +247,11 @@ def _corrected(base, correction):
         dense = LinearCost(alpha_s=dense.alpha_s, beta_s_per_byte=max(
             0.0, dense.beta_s_per_byte + correction.dense_s_per_element / 4))
     topk = base.topk
-    return Instance(layers=base.layers, world_size=base.world_size, density=base.density,
-                    forward_s=base.forward_s, comm=base.comm,
-                    topk=TopkCost(c0=max(0.0, topk.c0 + correction.sparse_group_s),
-                                  c1=topk.c1, c2=topk.c2),
-                    value_bytes=base.value_bytes, index_bytes=base.index_bytes,
-                    dense=dense, tail_s=base.tail_s)
+    c0 = max(0.0, topk.c0 + correction.sparse_group_s)
+    level = max(-(base.forward_s + base.tail_s),
+                base.level_s - (c0 - topk.c0) * correction.sparse_groups_ref)
+    return dataclasses.replace(base, topk=TopkCost(c0=c0, c1=topk.c1, c2=topk.c2),
+                               dense=dense, level_s=level)
 
 
 def _two_level_corrected(two_level, correction):
@@ -1403,7 +1405,7 @@ class OMGSState:
                 constant_s=old.constant_s + step.constant_s,
                 dense_s_per_element=old.dense_s_per_element + step.dense_s_per_element,
                 sparse_group_s=old.sparse_group_s + step.sparse_group_s,
-                points=step.points)
+                points=step.points, sparse_groups_ref=step.sparse_groups_ref)
         report["correction"] = self._correction.to_dict() if self._correction is not None else None
         return report
 

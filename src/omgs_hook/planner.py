@@ -133,7 +133,7 @@ class Plan:
         groups: contiguous runs of unit indices in ready order, e.g. ``((0, 1), (2,))``.
         dense: one flag per group, ``True`` where the group is sent as a dense
             all-reduce (always all ``False`` without a dense cost).
-        predicted_iteration_s: ``forward_s + e_m + tail_s`` of the timeline.
+        predicted_iteration_s: ``forward_s + e_m + tail_s + level_s`` of the timeline.
         non_overlapped_s: ``e_m - sum(backward_s)``.
     """
 
@@ -315,7 +315,7 @@ def predicted_iteration_s(inst: Instance, groups, dense=None) -> float:
            for size, dense_flag in zip(sizes.tolist(), modes)):
         return evaluate(inst, groups, dense).predicted_iteration_s
     comm_end, _ = _comm_end(inst, (numel_prefix, backward_prefix), bounds, modes)
-    return inst.forward_s + comm_end + inst.tail_s
+    return comm_end + inst.fixed_s
 
 
 def _finish(inst: Instance, strategy: str, groups, modes) -> Plan:
