@@ -243,6 +243,17 @@ def test_a_running_selection_trial_is_recognised():
     assert running({"trial": {"active": True}}) and not running({"trial": {"done": True}})
 
 
+def test_the_default_is_timed_after_its_settled_model_check():
+    settled = bench._prediction_settled
+    plan = {"made_at_step": 37}
+    assert not settled({"plan": plan, "model_check": None})
+    assert not settled({"plan": plan, "model_check": {"kind": "first", "step": 42}})
+    # a settled check of an earlier plan is not this plan's
+    assert not settled({"plan": plan, "model_check": {"kind": "settled", "step": 30}})
+    assert settled({"plan": plan, "model_check": {"kind": "settled", "step": 57}})
+    assert settled({"plan": {}})  # a library without a model check
+
+
 def test_write_doc_keeps_text_outside_the_markers(tmp_path):
     doc = tmp_path / "b.md"
     bench.write_doc(str(doc), "first table\n")
