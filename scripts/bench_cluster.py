@@ -372,6 +372,8 @@ class Variant:
         self.round_medians = []  # per round: median slowest-rank iteration seconds
         # per timed step, slowest rank: (iteration_s, optimizer_s, topk_s, hook_s)
         self.times = []
+        # per settling step of the default (settle_default), this rank's: the same tuple
+        self.warmup_rows = []
 
 
 def library_defaults():
@@ -735,29 +737,64 @@ def settle_default(variant, batches, max_steps, stable_steps, step=None):
 
     Settled: on every rank, no selection trial in progress, the same plan for the
     last ``stable_steps`` steps and its settled model check made
-    (:func:`_prediction_settled`). Collective (one small all-reduce per step), so all
-    ranks run the same number of steps. ``step``: as in :func:`warm_up`.
+    (:func:`_prediction_settled`). Collective, so all ranks run the same number of
+    steps. ``step``: as in :func:`warm_up`. Each step's return value is kept in
+    ``variant.warmup_rows`` (this rank's; the worker reports the slowest rank's).
+
+    Two phases. Until the trial is over and the plan stable, the ranks agree after
+    every step (one small all-reduce). Then the steps the settled check still needs
+    (it comes ``SETTLED_CHECK_STEPS`` after the plan's first step) run as in the timed
+    rounds, with nothing of the harness between them but one agreement per batch of
+    steps, because the check times them: with the all-reduce and a second ``stats()``
+    after every step, ResNet-20's steps 42-57 at N = 2 ran 214 ms against 136 ms timed
+    (2026-12-05), and the default's prediction, right for those steps, read +57%.
     """
     import torch
     import torch.distributed as dist
 
     step = step or run_step
+    rows = variant.warmup_rows
+
+    def one_step():
+        row = step(variant, batches[variant.steps_run % len(batches)])
+        if isinstance(row, tuple):
+            rows.append(row)
+
+    def everyone(value, op):
+        tensor = torch.tensor([float(value)])
+        dist.all_reduce(tensor, op=op)
+        return tensor.item()
+
     extra = 0
     stable = 0
     previous = plan_signature(variant.hook_state)
     while extra < max_steps:
-        step(variant, batches[variant.steps_run % len(batches)])
+        one_step()
         extra += 1
         current = plan_signature(variant.hook_state)
         stable = stable + 1 if current == previous and current is not None else 0
         previous = current
-        stats = variant.hook_state.stats()
-        busy = _selection_in_progress(stats) or not _prediction_settled(stats)
-        flag = torch.tensor([float(stable >= stable_steps and not busy)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if flag.item() == 1.0:
+        done = stable >= stable_steps and not _selection_in_progress(variant.hook_state.stats())
+        if everyone(done, dist.ReduceOp.MIN) == 1.0:
             break
+    while extra < max_steps:
+        stats = variant.hook_state.stats()
+        if everyone(_prediction_settled(stats), dist.ReduceOp.MIN) == 1.0:
+            break
+        made = (stats.get("plan") or {}).get("made_at_step")
+        due = 1 if made is None else made + _settled_check_steps() + 1 - stats.get("step", 0)
+        count = int(everyone(min(max(1, due), max_steps - extra), dist.ReduceOp.MAX))
+        for _ in range(count):
+            one_step()
+        extra += count
     return extra
+
+
+def _settled_check_steps():
+    """The library's SETTLED_CHECK_STEPS (20 in this version)."""
+    from omgs_hook import hook
+
+    return getattr(hook, "SETTLED_CHECK_STEPS", 20)
 
 
 def warmup_steps_for(name, hook_warmup_steps):
@@ -805,6 +842,8 @@ def run_worker(config_path):
         warmup = {}
         for variant in variants:  # warm-up is per variant; it is never timed
             warmup[variant.name] = warm_up(variant, batches, config)
+            if variant.warmup_rows:  # every rank ran the same settling steps
+                variant.warmup_rows = slowest_rank(variant.warmup_rows)
             if variant.name in OMGS_VARIANTS:
                 if variant.hook_state.stats()["plan"] is None:
                     raise RuntimeError(f"{variant.name}: no plan after {warmup[variant.name]} "
@@ -825,6 +864,8 @@ def run_worker(config_path):
         for variant in variants:
             reports[variant.name] = variant_report(variant)
             reports[variant.name]["warmup_steps"] = warmup[variant.name]
+            if variant.warmup_rows:  # the default's settling steps (untimed), slowest rank
+                reports[variant.name]["settle_iteration_s"] = [r[0] for r in variant.warmup_rows]
         peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
         dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
         if rank == 0:

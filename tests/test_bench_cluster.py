@@ -254,6 +254,60 @@ def test_the_default_is_timed_after_its_settled_model_check():
     assert settled({"plan": {}})  # a library without a model check
 
 
+class _SettlingState:
+    """A hook that runs a trial until step 12, then keeps one plan (made at step 12)
+    whose settled model check comes 20 steps later; counts the harness's stats() calls."""
+
+    class _Plan:
+        dense = (False,)
+
+        @staticmethod
+        def unit_groups():
+            return [[0]]
+
+    def __init__(self):
+        self.step, self.stats_calls, self.plan = 0, 0, self._Plan()
+
+    def stats(self):
+        self.stats_calls += 1
+        trial = {"candidates": []} if self.step < 12 else None
+        check = None
+        if self.step >= 12 + 20:
+            check = {"kind": "settled", "step": 12 + 20}
+        elif self.step >= 12 + 5:
+            check = {"kind": "first", "step": 12 + 5}
+        return {"step": self.step, "selection": {"trial": trial}, "model_check": check,
+                "plan": {"made_at_step": 12}}
+
+
+def test_the_default_settles_until_its_settled_check_with_plain_steps_between():
+    import torch.distributed as dist
+    from ddp_harness import free_port
+
+    state = bench.Variant("default", None, None, None, hook_state=_SettlingState())
+
+    def step(variant, batch):
+        variant.steps_run += 1
+        variant.hook_state.step += 1
+        return (0.1, 0.0, 0.0, 0.0)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    try:
+        extra = bench.settle_default(state, [None], 80, 3, step)
+        # the trial ended at step 12, the plan was stable 3 steps later; the settled
+        # check came at step 32 and the harness stopped right after it
+        assert state.hook_state.step == extra == 12 + 20 + 1
+        # phase 2 (steps 16-33) ran as plain steps: a stats() call per batch of them
+        assert state.hook_state.stats_calls <= 15 + 3
+        assert len(state.warmup_rows) == extra
+        # the cap holds
+        capped = bench.Variant("default", None, None, None, hook_state=_SettlingState())
+        assert bench.settle_default(capped, [None], 20, 3, step) == 20
+    finally:
+        dist.destroy_process_group()
+
+
 def test_write_doc_keeps_text_outside_the_markers(tmp_path):
     doc = tmp_path / "b.md"
     bench.write_doc(str(doc), "first table\n")
