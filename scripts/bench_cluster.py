@@ -1317,7 +1317,8 @@ def render_tables(results, plot_name):
                "scaled by its timed collectives), never from the step times themselves. "
                "Since 81afd07 that is the settled model check's, 20 steps after the plan "
                "went into use, on the steps since its first check: for the fixed variants "
-               "these are the last untimed steps and the first timed ones; "
+               "these are the last untimed steps and the first timed ones, for the default "
+               "(since 2026-12-05) its last untimed steps, run as the timed ones are; "
                "`replayed` evaluates the same plan with the hook's measurements of the timed "
                "steps instead.\n")
     for r in results:
