@@ -730,10 +730,11 @@ class Correction:
     level moves with the load of its steps.
 
     ``sparse_groups_ref`` is where the group term is centred: the median number of
-    sparse groups of the candidates it was fitted on (0 without a group term). The constant is the fit's value at
-    *no* sparse group, an extrapolation far from every candidate; a plan with the
-    reference's groups gets none of the group term (the hook puts ``-sparse_group_s *
-    sparse_groups_ref`` in the instance's ``level_s``), so the term moves plans relative
+    sparse groups of the candidates it was fitted on (0 without a group term). The
+    constant is the fit's value at *no* sparse group, an extrapolation far from every
+    candidate; a plan with the reference's groups gets none of the group term (the hook
+    puts minus the term as clamped, times ``sparse_groups_ref``, in the instance's
+    ``level_s``), so the term moves plans relative
     to the trial's typical plan instead of lifting them all. (ResNet-20, 8 ranks,
     2026-12-05: 49 ms per sparse group with -138 ms of constant, fitted on 1-4 groups;
     added from zero groups it priced the 3-group winner 22% too slow.) The dense term
