@@ -88,7 +88,7 @@ def expected_winner(report, world_size):
 
 @pytest.mark.timeout(180)
 def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
-    results = run_ranks("test_hook_selection", "selection_worker", world_size=2, steps=46)
+    results = run_ranks("test_hook_selection", "selection_worker", world_size=2, steps=62)
     stats = [r["stats"] for r in results]
     report = stats[0]["selection"]["last_trial"]
     assert report is not None and stats[0]["selection"]["trial"] is None
@@ -112,7 +112,14 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
     history = stats[0]["plan_history"]
     trial_entries = [h for h in history if h["reason"] == "trial"]
     assert [h["strategy"] for h in trial_entries][:len(names)] == names
-    assert [h["step"] for h in trial_entries][:len(names)] == [4 + 3 * i for i in range(len(names))]
+    # the first candidate (the model's choice) from step 4 with the lead's 6 steps, then
+    # one settle and one counted step per screen turn
+    lead, per = plan_selection.FIRST_TRIAL_LEAD_STEPS, 2
+    assert report["lead"] == lead
+    assert [h["step"] for h in trial_entries][:len(names)] == (
+        [4] + [4 + lead + per * i for i in range(1, len(names))])
+    # the second pass runs them back in reverse order
+    assert [h["strategy"] for h in trial_entries][len(names):2 * len(names) - 1] == names[-2::-1]
     assert history[-1]["reason"] == "trial winner" and history[-1]["strategy"] == winner
     assert stats[0]["total"]["trials"] == 1 and stats[0]["total"]["replans"] == 1
     assert stats[0]["step_s"] is not None
@@ -131,8 +138,8 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
 
 
 class SpellClock(FakeClock):
-    """FakeClock with a load spell over the first turn of the trial's would-be winner:
-    its first 3 steps (the settle step and both counted screen steps) take twice as
+    """FakeClock with a load spell over the screen turns of the trial's would-be winner:
+    its first 4 steps (both passes' settle and counted steps) take twice as
     long on every rank, and so does the load probe (10 ms quiet). The real
     forward times the hook offered as probes are kept in ``real``."""
 
@@ -146,7 +153,7 @@ class SpellClock(FakeClock):
             self.victim = expected_winner(trial.report(), 2)[0]
         plan = self.state.plan
         self.in_spell = (trial is not None and plan is not None
-                         and plan.strategy == self.victim and self.hits < 3)
+                         and plan.strategy == self.victim and self.hits < 4)
         self.hits += self.in_spell
         self.now += self.rate * fake_cost(self.rank, plan) * (2.0 if self.in_spell else 1.0)
         return self.now
@@ -172,13 +179,13 @@ def spell_worker(rank, world_size, steps, spell_factor):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("guard", [True, False])
 def test_a_load_spell_in_the_trial_is_seen_by_the_probe_and_retaken(guard):
-    results = run_ranks("test_hook_selection", "spell_worker", world_size=2, steps=54,
+    results = run_ranks("test_hook_selection", "spell_worker", world_size=2, steps=70,
                         spell_factor=plan_selection.SPELL_FACTOR if guard else 1e9)
     stats = [r["stats"] for r in results]
     report = stats[0]["selection"]["last_trial"]
     assert report is not None and report == stats[1]["selection"]["last_trial"]
     victim = results[0]["victim"]
-    assert victim is not None and results[0]["hits"] == 3
+    assert victim is not None and results[0]["hits"] == 4
     disturbed = {c["name"]: c["disturbed"] for c in report["candidates"]}
     if guard:
         # the spell's two counted steps were seen, the candidate ran again, and it won
@@ -231,15 +238,16 @@ def test_gradients_after_plan_switches_equal_the_reference():
 
 def resume_in_trial_worker(rank, world_size, ckpt_dir, total):
     model, ddp, state, opt = build(rank)
-    # checkpoint 2 steps into the trial: when it starts and how long it runs depend on
+    # checkpoint 3 steps into the trial's screen (after its lead): when it starts and how long it runs depend on
     # how many candidates survive the model's pruning (really measured backward times);
     # the trial state is gathered, so every rank stops at the same step
     first = 0
     while state._trial is None and first < total - 2:
         train_steps(ddp, opt, first, first + 1, rank)
         first += 1
-    train_steps(ddp, opt, first, first + 2, rank)
-    first += 2
+    into = plan_selection.FIRST_TRIAL_LEAD_STEPS + 3
+    train_steps(ddp, opt, first, first + into, rank)
+    first += into
     in_trial = state.stats()["selection"]["trial"] is not None
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
@@ -271,8 +279,8 @@ def resume_in_trial_worker(rank, world_size, ckpt_dir, total):
 @pytest.mark.timeout(180)
 def test_checkpoint_and_resume_during_a_trial_is_bit_exact(tmp_path):
     results = run_ranks("test_hook_selection", "resume_in_trial_worker", world_size=2,
-                        ckpt_dir=str(tmp_path), total=46)
-    assert results[0]["first"] == results[1]["first"] < 40
+                        ckpt_dir=str(tmp_path), total=66)
+    assert results[0]["first"] == results[1]["first"] < 50
     for r in results:
         assert r["in_trial"] and r["resumed_in_trial"], r
         assert r["winner"][0] == r["winner"][1] and r["winner"][0] != "optimal", r["winner"]
@@ -634,7 +642,7 @@ def test_without_a_core_to_spare_re_plans_run_in_the_low_priority_process_alike(
     with the same plans on both ranks. (That a process computes what a thread would is
     tested on the job itself, test_background_planner.py.)"""
     low = run_ranks("test_hook_selection", "isolated_selection_worker", world_size=2,
-                    steps=50, isolate_units=1, has_a_core=False)
+                    steps=72, isolate_units=1, has_a_core=False)
     for r in low:
         assert r["where"][0] == "thread" and len(r["where"]) >= 3, r["where"]
         assert set(r["where"][1:]) == {"low"}, r["where"]

@@ -347,7 +347,11 @@ class OMGSState:
             when the model sent some dense.
 
             **Trial budget.** Up to three rounds (``plan_selection.Trial``): every
-            candidate runs ``1`` settle step (not counted) and ``2`` counted steps;
+            candidate runs ``1`` settle step (not counted) and ``1`` counted step, in
+            order and then again in reverse order (two passes, so that a machine that
+            speeds up or slows down over the round costs every candidate alike; the
+            first trial of a run starts with ``6`` uncounted steps of the model's
+            choice, as the steps right after the warm-up run slow);
             those within 30% of the best (at most 3) run again in reverse order with
             ``3`` counted steps; when the best two are still closer than the samples'
             noise (at least 2%), they run once more. A step that a load spell slowed
@@ -356,16 +360,17 @@ class OMGSState:
             candidate's median; a candidate whose every sample in a round was slowed
             runs its turn again right after (at most 2 such retakes per trial). A full
             trial (the first plan, a bucket-layout change) has at most 7 candidates: at
-            most ``7 * 3 + (3 + 2 + 2) * 4 = 49`` steps, 4.9% of a 1000-step run,
-            typically 26-41. A later trial (a periodic re-plan
+            most ``7 * 2 * 2 + (3 + 2 + 2) * 4 = 56`` steps, 5.6% of a 1000-step run
+            (48 without load spells), typically 33-48, after the first trial's 6 lead
+            steps. A later trial (a periodic re-plan
             whose model plan differs from the one the last trial started from, e.g.
             after an online refit) compares the kept plan with the new model plan only
-            (at most 30 steps) and starts only while all later trials together stay
+            (at most 32 steps) and starts only while all later trials together stay
             within 3% of the steps run; otherwise the kept plan stays. (With
             ``topology="auto"`` resolved two-level it starts when the two-level or the
             flat model's plan changed, and also holds the flat model's plan
             ``flat:<strategy>`` when that differs from the kept plan and the budget
-            has room for three candidates, at most 37 steps.) Trial steps are
+            has room for three candidates, at most 40 steps.) Trial steps are
             ordinary training steps (error feedback is per parameter, so switching
             plans between steps changes no result); what a trial costs is the slower
             candidates' extra time over those steps. One small all-gather per
@@ -1949,7 +1954,9 @@ class OMGSState:
             self._model_key = result["model_key"]
             self._flat_model_key = result.get("flat_key")
             self._trial_layout = layout
-            self._start_trial_from(plan_selection.Trial(candidates, self.step, reason=job["reason"]))
+            lead = plan_selection.FIRST_TRIAL_LEAD_STEPS if job["reason"] == "first" else 0
+            self._start_trial_from(plan_selection.Trial(candidates, self.step, reason=job["reason"],
+                                                        lead=lead))
             self._awaiting_overhead = False  # the trial measures the sparse path itself
             logger.debug("omgs_hook: step %d trial of %s", self.step, [c.name for c in candidates])
             return

@@ -40,8 +40,18 @@ from .group_plan import check_exchange
 
 #: steps run with a candidate before its steps are counted (new buffer sizes, caches)
 SETTLE_STEPS = 1
-#: counted steps per candidate in the screening round (every candidate)
-MEASURE_STEPS = 2
+#: counted steps per candidate turn in the screening round (every candidate)
+MEASURE_STEPS = 1
+#: the screening round runs every candidate this many times, in index order then in
+#: reverse and so on: a machine that speeds up over the trial's first steps (allocator,
+#: caches, TCP windows on shaped links) made the first candidates of a one-pass screen
+#: read 10-30% slow and dropped the fastest plan (VGG-16 N = 4: `single` 2.19 s in the
+#: screen at steps 13-15, 1.58 s timed later; the default lost 8% to TopK-SGD)
+SCREEN_PASSES = 2
+#: the first trial of a run starts with this many uncounted steps of the model's choice:
+#: the same start-up (the steps right after the dense warm-up ran 20-40% slow on the
+#: shaped cluster, falling off over about ten steps) hit whichever candidates ran first
+FIRST_TRIAL_LEAD_STEPS = 6
 #: counted steps per candidate in the confirm and tie-break rounds (the contenders)
 CONFIRM_STEPS = 3
 #: after screening, candidates within this fraction of the best are measured again
@@ -74,19 +84,21 @@ MAX_RETAKES = 2
 
 def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS,
                       confirm=CONFIRM_STEPS, max_confirm=MAX_CONFIRM,
-                      max_remeasure=MAX_REMEASURE, max_retakes=MAX_RETAKES):
-    """Most steps a trial of ``num_candidates`` can run (all three rounds, and the
-    retakes of disturbed candidates)."""
+                      max_remeasure=MAX_REMEASURE, max_retakes=MAX_RETAKES,
+                      screen_passes=SCREEN_PASSES, lead=0):
+    """Most steps a trial of ``num_candidates`` can run (its lead, all three rounds, and
+    the retakes of disturbed candidates)."""
     n = int(num_candidates)
     steps = n * (settle + measure)
     if n > 1:
+        steps *= int(screen_passes)
         contenders = min(max_confirm, n)
         steps += contenders * (settle + confirm)
         if contenders > 1:
             steps += min(max_remeasure, contenders) * (settle + confirm)
         # (a single candidate wins whatever its samples read: never retaken)
         steps += int(max_retakes) * (settle + confirm)
-    return steps
+    return steps + int(lead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,7 +357,11 @@ class Trial:
     Three rounds, each a list of candidates run one after the other; a candidate's turn
     is ``settle`` steps (not counted) then its counted steps:
 
-    1. *screen*: every candidate in index order, ``measure`` counted steps each;
+    1. *screen*: every candidate in index order, then in reverse index order and so on
+       for ``screen_passes`` passes, ``measure`` counted steps per turn (a candidate's
+       screen samples are those of all its turns). With two passes candidate ``i`` runs
+       at positions ``i`` and ``2n - 1 - i``: a drift of the machine over the round (it
+       speeds up over its first steps) costs every candidate alike where it is linear;
     2. *confirm*: the candidates within ``confirm_window`` of the screen's best (at most
        ``max_confirm``, best first), in reverse index order, ``confirm`` counted steps;
     3. *tie-break*: the confirmed candidates within ``max(near_tie, noise_tie * noise)``
@@ -393,7 +409,8 @@ class Trial:
                  near_tie: float = NEAR_TIE, max_remeasure: int = MAX_REMEASURE,
                  confirm: int = CONFIRM_STEPS, confirm_window: float = CONFIRM_WINDOW,
                  max_confirm: int = MAX_CONFIRM, noise_tie: float = NOISE_TIE,
-                 spell_factor: Optional[float] = None, max_retakes: int = MAX_RETAKES):
+                 spell_factor: Optional[float] = None, max_retakes: int = MAX_RETAKES,
+                 screen_passes: int = SCREEN_PASSES, lead: int = 0):
         if len(candidates) < 1:
             raise ValueError("a trial needs at least one candidate")
         if settle < 0 or measure < 1 or confirm < 1:
@@ -405,6 +422,11 @@ class Trial:
             spell_factor = SPELL_FACTOR
         if not spell_factor > 1.0 or max_retakes < 0:
             raise ValueError("spell_factor must be > 1 and max_retakes >= 0")
+        if isinstance(screen_passes, bool) or not isinstance(screen_passes, int) \
+                or screen_passes < 1:
+            raise ValueError(f"screen_passes must be an int >= 1, got {screen_passes!r}")
+        if isinstance(lead, bool) or not isinstance(lead, int) or lead < 0:
+            raise ValueError(f"lead must be an int >= 0, got {lead!r}")
         self.candidates = list(candidates)
         self.reason = str(reason)
         self.settle = int(settle)
@@ -417,11 +439,14 @@ class Trial:
         self.max_remeasure = int(max_remeasure)
         self.spell_factor = float(spell_factor)
         self.max_retakes = int(max_retakes)
+        self.screen_passes = int(screen_passes)
+        self.lead = int(lead)
         self.retakes_used = 0
         self.start_step = int(start_step)
-        self.rounds = [list(range(len(self.candidates)))]
+        # a round is its list of turns (candidate indices; the screen's repeat them)
+        self.rounds = [self._screen_turns()]
         self.round_kinds = [SCREEN]
-        self.round_start = int(start_step)
+        self.round_start = self.start_step + self.lead
         self.samples = [[] for _ in self.candidates]  # slowest-rank seconds, per round order
         self.round_samples = []  # per finished round: {candidate: its samples there}
         self.noise = None
@@ -433,6 +458,15 @@ class Trial:
         self.decided_at = None
 
     # -- schedule ---------------------------------------------------------------------
+    def _screen_turns(self):
+        order = list(range(len(self.candidates)))
+        if len(order) == 1:  # it wins whatever it reads: one turn is enough
+            return order
+        turns = []
+        for p in range(self.screen_passes):
+            turns.extend(order if p % 2 == 0 else order[::-1])
+        return turns
+
     @property
     def done(self):
         return self.winner is not None
@@ -455,7 +489,7 @@ class Trial:
         """Upper bound of the steps this trial runs (all rounds)."""
         return trial_steps_bound(len(self.candidates), self.settle, self.measure,
                                  self.confirm, self.max_confirm, self.max_remeasure,
-                                 self.max_retakes)
+                                 self.max_retakes, self.screen_passes, self.lead)
 
     def _slot(self, step):
         """(position in the current round, counted index or None) of ``step``, or None."""
@@ -466,7 +500,10 @@ class Trial:
         return position, (within - self.settle if within >= self.settle else None)
 
     def candidate_at(self, step) -> Optional[int]:
-        """Index of the candidate that runs ``step``, or None outside the current round."""
+        """Index of the candidate that runs ``step``, or None outside the current round
+        (the lead's steps run the first screen turn's candidate, uncounted)."""
+        if not self.done and len(self.rounds) == 1 and self.start_step <= step < self.round_start:
+            return self.rounds[0][0]
         slot = self._slot(step)
         return None if slot is None else self.rounds[-1][slot[0]]
 
@@ -522,7 +559,7 @@ class Trial:
         """(kind, members) of the last round that was not a retake."""
         for kind, members in zip(reversed(self.round_kinds), reversed(self.rounds)):
             if kind != RETAKE:
-                return kind, members
+                return kind, list(dict.fromkeys(members))
         raise AssertionError("a trial starts with its screen round")
 
     def finish_round(self, rows, step):
@@ -538,8 +575,9 @@ class Trial:
         probe_rows = [r[width:] or [math.nan] * width for r in rows]
         loads = self._loads_of_round(probe_rows)
         this_round, all_disturbed, quiet_bound = {}, [], {}
+        gathered = {}  # candidate -> (raw, clean, bound) over all its turns of the round
         for position, index in enumerate(self.rounds[-1]):
-            raw, clean, bound = [], [], []
+            raw, clean, bound = gathered.setdefault(index, ([], [], []))
             for j in range(counted):
                 column = [r[position * counted + j] for r in rows]
                 known = [x for x in column if not math.isnan(x)]
@@ -550,6 +588,7 @@ class Trial:
                 clean.append(math.nan if disturbed else x)
                 if disturbed:  # as if the whole step had slowed with its forward
                     bound.append(x / loads[position * counted + j])
+        for index, (raw, clean, bound) in gathered.items():
             self.samples[index].extend(raw)
             if any(not math.isnan(x) for x in raw) and all(math.isnan(x) for x in clean):
                 all_disturbed.append(index)
@@ -574,7 +613,7 @@ class Trial:
                         if quiet_bound[i] > best * (1.0 + self.confirm_window)]
             retake = [i for i in all_disturbed if i not in hopeless]
             retake = retake[:self.max_retakes - self.retakes_used]
-            if retake and len(self.rounds[-1]) > 1:
+            if retake and len(set(self.rounds[-1])) > 1:
                 self.retakes_used += len(retake)
                 self._next_round(RETAKE, sorted(retake), step)
                 return None
@@ -605,7 +644,8 @@ class Trial:
         return best
 
     def _members(self, kind):
-        return [i for r, k in zip(self.rounds, self.round_kinds) if k == kind for i in r]
+        members = [i for r, k in zip(self.rounds, self.round_kinds) if k == kind for i in r]
+        return list(dict.fromkeys(members))  # (the screen's turns repeat candidates)
 
     def report(self):
         """Every candidate with its prediction and measurement, and the winner."""
@@ -619,7 +659,7 @@ class Trial:
                         "samples": sum(1 for x in self.samples[i] if not math.isnan(x)),
                         "disturbed": self.disturbed[i],
                         "winner": i == self.winner})
-        return {"reason": self.reason, "start_step": self.start_step,
+        return {"reason": self.reason, "start_step": self.start_step, "lead": self.lead,
                 "decided_at": self.decided_at,
                 "winner": None if self.winner is None else self.candidates[self.winner].name,
                 "confirmed": [self.candidates[i].name for i in self._members(CONFIRM)],
@@ -640,6 +680,7 @@ class Trial:
                 "near_tie": self.near_tie, "noise_tie": self.noise_tie,
                 "max_remeasure": self.max_remeasure, "start_step": self.start_step,
                 "spell_factor": self.spell_factor, "max_retakes": self.max_retakes,
+                "screen_passes": self.screen_passes, "lead": self.lead,
                 "retakes_used": self.retakes_used, "disturbed": list(self.disturbed),
                 "probes": [list(p) for p in self.probes],
                 "local_probe": [list(r) for r in self.local_probe],
@@ -666,7 +707,9 @@ class Trial:
                     noise_tie=float(sd.get("noise_tie", NOISE_TIE)),
                     # a state saved before load probes: nothing was disturbed
                     spell_factor=float(sd.get("spell_factor", SPELL_FACTOR)),
-                    max_retakes=int(sd.get("max_retakes", MAX_RETAKES)))
+                    max_retakes=int(sd.get("max_retakes", MAX_RETAKES)),
+                    # a state saved before the two-pass screen ran one pass
+                    screen_passes=int(sd.get("screen_passes", 1)), lead=int(sd.get("lead", 0)))
         trial.rounds = [[int(i) for i in r] for r in sd["rounds"]]
         trial.round_kinds = ([SCREEN] + [TIEBREAK] * (len(trial.rounds) - 1) if legacy
                              else [str(k) for k in sd["round_kinds"]])
