@@ -11,6 +11,7 @@ final training loss to ``--out``.
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -83,6 +84,9 @@ def main(argv=None):
     # holding work aborts a rank now and then (SIGABRT, "terminate called without an
     # active exception": 1 CI run in many), so end it here on every rank.
     if torch.distributed.is_initialized():
+        # (Lightning's teardown unwrapped the DDP model; collect it before the group goes)
+        del trainer
+        gc.collect()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
