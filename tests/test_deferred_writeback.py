@@ -64,9 +64,9 @@ def test_a_deferred_write_back_runs_on_the_calling_thread_in_issue_order():
 
 
 def test_a_late_write_back_reports_the_collectives_completion_time():
-    """``record.done`` (what ``measurements.comm_sums`` reads as the collective's end,
-    its write-back included) is the completion time plus the write-back's own, not the
-    moment the hook got round to it; the online refit gets the completion time too."""
+    """``record.done`` (what ``measurements.comm_sums`` reads as the collective's end)
+    is the completion time, not the moment the hook got round to it; the online refit
+    gets the completion time too."""
     ex, collectives, _, _ = _exchange_with_deferred_groups(1)
     samples = []
     ex.on_comm_sample = lambda nbytes, seconds: samples.append((nbytes, seconds))
@@ -178,3 +178,21 @@ def test_ddp_write_backs_run_on_the_backward_thread():
         assert result["groups"] >= 4
         assert result["write_backs"] >= result["groups"]  # a sparse step at least
         assert result["other_threads"] == 0
+
+
+def test_a_deferred_write_back_is_not_counted_in_the_collectives_time():
+    """The deferred write-back runs on the autograd thread, which the cost model prices
+    on the compute stream (the top-k line): the collective's measured end is its
+    completion, however long the write-back itself takes."""
+    from omgs_hook import measurements
+
+    ex, collectives, _, _ = _exchange_with_deferred_groups(1)
+    record = ex.records[0]
+    ex._deferred[0][1] = lambda: time.sleep(0.2)  # a slow write-back
+    collectives[0].set_result(None)
+    completed = time.perf_counter()
+    ex.finish_issuing()
+    assert time.perf_counter() - completed >= 0.2
+    assert record.done < completed + 0.1
+    sparse_s = measurements.comm_sums([record])[0]
+    assert sparse_s < completed + 0.1 - record.issued

@@ -566,18 +566,17 @@ class StepExchange:
         """The group's collective is complete: write it back and count it done (any
         exception is routed to the futures). ``completed_at``: when the collective
         completed, for a write-back run later than that (deferred); ``record.done`` is
-        then that time plus the write-back's own, as if it had run at completion - what
-        the measured collective times (``measurements.comm_sums``) count."""
+        then that time: the deferred write-back runs on the autograd thread, which the
+        cost model prices on the compute stream, so the measured collective times
+        (``measurements.comm_sums``) end at the completion."""
         try:
             future.value()  # raises if the collective failed
             if (not record.dense and self.on_comm_sample is not None
                     and self.subgroups is None):  # (two-level: three collectives)
                 self._comm_sample(record.bytes, issue_wall, completed_at)
-            started = time.perf_counter()
             with _range("write_back", group):
                 finish()
-            now = time.perf_counter()
-            record.done = now if completed_at is None else completed_at + (now - started)
+            record.done = time.perf_counter() if completed_at is None else completed_at
         except BaseException as exc:  # noqa: BLE001 - routed to the futures
             self._fail(exc, group_finished=True)
             return

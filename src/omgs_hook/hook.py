@@ -1428,8 +1428,8 @@ class OMGSState:
 
         The slowest rank's timeline (tail, forward, per-bucket backward: median over the
         measurement window of the per-step maximum over ranks), the profile's collective
-        costs (or the online refit) plus the measured receive side, and its top-k cost
-        plus the hook's measured per-group work (both averaged over ranks). Every rank
+        costs (or the online refit), and its top-k cost plus the hook's measured
+        per-group work and receive side (both averaged over ranks). Every rank
         gets the identical instance.
         Collective: every rank must call it at the same point. ``layout`` defaults to the
         bucket layout of the current measurements.
@@ -1522,14 +1522,12 @@ class OMGSState:
         overhead_known = overhead is not None
         per_group, per_element = overhead or (0.0, 0.0)
         wb_group, wb_element = writeback or (0.0, 0.0)
-        if wb_group or wb_element:
-            # The receive side (scatter-add, averaging, write-back) follows each sparse
-            # collective before its gradients are usable: ``w0 + w1 * D``. With
-            # ``D ~ k / density`` it is linear in the bytes sent, so it joins the
-            # collective's alpha and beta (exact up to the ceil in k).
-            per_byte = wb_element / (self.density * 8)  # 4-byte value + 4-byte index per entry
-            comm = LinearCost(alpha_s=comm.alpha_s + wb_group,
-                              beta_s_per_byte=comm.beta_s_per_byte + per_byte)
+        # The receive side of a flat sparse group (unpack, scatter-add, average, write
+        # back: ``w0 + w1 * D``) runs on the autograd thread (the deferred write-back,
+        # measured only on the host), so it is compute-stream work like ``h``: it joins
+        # the top-k line below, not the collective's (the measured collective times end
+        # at completion, group_exchange._complete). Two-level groups write back on the
+        # collective's thread; their base keeps the line without it.
         # (a bucket of zero-element parameters costs nothing; the model's units are >= 1)
         numels = self._layout_numels(layout)
         dense = self.profile.dense if self.allow_dense else None
@@ -1546,6 +1544,8 @@ class OMGSState:
                            if float(rows[:, step_at + 1].min()) > 0 else None)
         loads = [float(x) for x, known in zip(rows[:, load_at], rows[:, load_at + 1]) if known > 0]
         topk_c0 = topk.c0 + per_group
+        flat_topk = TopkCost(c0=topk_c0 + wb_group, c1=topk.c1 + per_element + wb_element,
+                             c2=topk.c2)
         correction = self._correction if self.select == "measured" else None
         base = Instance(
             layers=units_of(numels, backward_s),
@@ -1554,7 +1554,7 @@ class OMGSState:
             forward_s=forward_s,
             comm=comm,
             # a sparse group's work on the compute stream has top-k's form: fixed + per element
-            topk=TopkCost(c0=topk_c0, c1=topk.c1 + per_element, c2=topk.c2),
+            topk=flat_topk,
             dense=dense,
             tail_s=tail_s,
         )
@@ -1563,8 +1563,10 @@ class OMGSState:
         # the link classes scaled by the two-level stages' measured times
         two_level_base, two_level_scales = base, None
         if self._subgroups is not None:
-            if comm is not plain_comm or dense is not plain_dense:
-                two_level_base = dataclasses.replace(base, comm=plain_comm, dense=plain_dense)
+            two_level_topk = TopkCost(c0=topk_c0, c1=topk.c1 + per_element, c2=topk.c2)
+            if comm is not plain_comm or dense is not plain_dense or wb_group or wb_element:
+                two_level_base = dataclasses.replace(base, comm=plain_comm, dense=plain_dense,
+                                                     topk=two_level_topk)
             if two_level is not None:
                 meter = self._two_level_times
                 two_level_rows = rows[:, two_level_at:two_level_at + meter.table_width]

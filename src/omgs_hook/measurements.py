@@ -476,11 +476,13 @@ def comm_sums(records):
 
     ``records``: the step's groups in issue order, each with ``dense``, ``bytes`` (per
     rank on the wire: the packed payload of a sparse group), ``numel``, ``issued`` and
-    ``done`` (host clock: issue, and the end of its write-back). A collective starts
-    when it is issued or when the previous one is done, whichever is later (one
-    collective at a time on the network), so its duration is
-    ``done - max(issued, previous done)``: the ``t_c`` / ``t_d`` of the timeline, the
-    write-back included (the model folds it into the collective's cost).
+    ``done`` (host clock: issue, and its completion: the end of its write-back where
+    that runs on the completion thread - a dense group's -, the collective's own
+    completion where the write-back is deferred to the autograd thread, whose time the
+    model prices on the compute stream). A collective starts when it is issued or when
+    the previous one is done, whichever is later (one collective at a time on the
+    network), so its duration is ``done - max(issued, previous done)``: the ``t_c`` /
+    ``t_d`` of the timeline.
 
     Returns ``(sparse_s, sparse_count, sparse_bytes, dense_s, dense_count,
     dense_elements)``, or None when a record lacks a time (a failed step).
