@@ -196,3 +196,16 @@ def test_a_deferred_write_back_is_not_counted_in_the_collectives_time():
     assert record.done < completed + 0.1
     sparse_s = measurements.comm_sums([record])[0]
     assert sparse_s < completed + 0.1 - record.issued
+
+
+def test_a_deferred_write_back_sample_covers_the_bucket_futures_callbacks():
+    """The receive side ``w`` of a deferred group is all the autograd thread spends on
+    it: the write-back's own sample grows to cover the bucket future's callbacks (what
+    DDP runs when a bucket is done), which delay backward just as much."""
+    ex, collectives, bucket_futures, _ = _exchange_with_deferred_groups(1)
+    ex._deferred[0][1] = lambda: ex.writeback_samples.append((4, 0.0))  # as _finish_sparse
+    bucket_futures[0].then(lambda fut: time.sleep(0.1))
+    collectives[0].set_result(None)
+    ex.finish_issuing()
+    (numel, seconds), = ex.writeback_samples
+    assert numel == 4 and seconds >= 0.1

@@ -569,6 +569,8 @@ class StepExchange:
         then that time: the deferred write-back runs on the autograd thread, which the
         cost model prices on the compute stream, so the measured collective times
         (``measurements.comm_sums``) end at the completion."""
+        begin = time.perf_counter()
+        samples = len(self.writeback_samples)
         try:
             future.value()  # raises if the collective failed
             if (not record.dense and self.on_comm_sample is not None
@@ -581,6 +583,12 @@ class StepExchange:
             self._fail(exc, group_finished=True)
             return
         self._group_done(record.keys)
+        if completed_at is not None and len(self.writeback_samples) > samples:
+            # a deferred write-back: all of it is this thread's time, the bucket futures'
+            # callbacks (DDP's) and this bookkeeping included - the compute-stream work
+            # the model prices as ``w`` (the finish timed only its own part)
+            numel = self.writeback_samples[-1][0]
+            self.writeback_samples[-1] = (numel, time.perf_counter() - begin)
 
     def write_back_completed(self, wait=False):
         """On the autograd thread: write back the deferred groups, in issue order, whose
