@@ -1543,9 +1543,11 @@ class OMGSState:
         measured_step_s = (float(rows[:, step_at].max())
                            if float(rows[:, step_at + 1].min()) > 0 else None)
         loads = [float(x) for x, known in zip(rows[:, load_at], rows[:, load_at + 1]) if known > 0]
-        topk_c0 = topk.c0 + per_group
-        flat_topk = TopkCost(c0=topk_c0 + wb_group, c1=topk.c1 + per_element + wb_element,
-                             c2=topk.c2)
+        # a sparse group's work on the compute stream has top-k's form: fixed + per element
+        group_work = TopkCost(c0=topk.c0 + per_group, c1=topk.c1 + per_element, c2=topk.c2)
+        # a flat group's receive side runs on the same thread (deferred write-back)
+        flat_work = dataclasses.replace(group_work, c0=group_work.c0 + wb_group,
+                                        c1=group_work.c1 + wb_element)
         correction = self._correction if self.select == "measured" else None
         base = Instance(
             layers=units_of(numels, backward_s),
@@ -1553,8 +1555,7 @@ class OMGSState:
             density=self.density,
             forward_s=forward_s,
             comm=comm,
-            # a sparse group's work on the compute stream has top-k's form: fixed + per element
-            topk=flat_topk,
+            topk=flat_work,
             dense=dense,
             tail_s=tail_s,
         )
@@ -1563,10 +1564,9 @@ class OMGSState:
         # the link classes scaled by the two-level stages' measured times
         two_level_base, two_level_scales = base, None
         if self._subgroups is not None:
-            two_level_topk = TopkCost(c0=topk_c0, c1=topk.c1 + per_element, c2=topk.c2)
             if comm is not plain_comm or dense is not plain_dense or wb_group or wb_element:
                 two_level_base = dataclasses.replace(base, comm=plain_comm, dense=plain_dense,
-                                                     topk=two_level_topk)
+                                                     topk=group_work)
             if two_level is not None:
                 meter = self._two_level_times
                 two_level_rows = rows[:, two_level_at:two_level_at + meter.table_width]
