@@ -56,7 +56,9 @@ def run(rank, world, strategy, steps, out):
             res["forward_s"] = inst.forward_s; res["tail_s"] = inst.tail_s
             res["compute_end_s"] = tl.compute_end_s; res["comm_end_s"] = tl.comm_end_s
         json.dump(res, open(out, "w"), default=str)
-    dist.barrier(); state.close(); dist.destroy_process_group()
+    dist.barrier(); state.close()
+    import gc; del ddp, state; gc.collect()  # no DDP model alive at destroy (gloo aborts)
+    dist.destroy_process_group()
 
 if __name__ == "__main__":
     strategy, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
