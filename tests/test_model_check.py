@@ -2,6 +2,7 @@
 collectives (``measured_comm``), estimates from the steps of the plan in use, and the
 model check of a plan after it ran (``stats()["model_check"]``)."""
 
+import dataclasses
 import gc
 from types import SimpleNamespace
 
@@ -314,6 +315,54 @@ def test_the_group_term_is_centred_on_the_trials_typical_plan():
     # never below minus the step outside backward: no prediction can be absurd
     far = _corrected(base, Correction(sparse_group_s=1.0, sparse_groups_ref=40.0))
     assert far.level_s == pytest.approx(-(0.2 + 0.02))
+
+
+def test_the_level_takes_back_what_the_term_adds_to_the_reference_plans_timeline():
+    """Network-bound: most of the per-group term hides behind the collectives. The
+    reference plan keeps the fresh model's prediction exactly, a plan of the same
+    group count moves only by what its own timeline shows, and the old level (the term
+    times the reference's group count) priced every plan far too fast - as it did the
+    winner of ResNet-20 on 8 ranks at density 0.01 (-14%)."""
+    from omgs_hook.cost_model import Instance, TopkCost, Unit
+    from omgs_hook.hook import _corrected
+    from omgs_hook.plan_selection import Correction
+    from omgs_hook.planner import predicted_iteration_s
+
+    base = Instance(layers=tuple(Unit(numel=1000, backward_s=0.004) for _ in range(6)),
+                    world_size=8, density=0.01, forward_s=0.2,
+                    comm=LinearCost(0.05, 1e-9), topk=TopkCost(1e-3, 1e-9, 0.0), tail_s=0.02)
+    ref = [[0, 1], [2, 3], [4, 5]]
+    term = Correction(constant_s=-0.1, sparse_group_s=0.02, sparse_groups_ref=3.0)
+    centred = dataclasses.replace(term, ref_plan=(tuple(map(tuple, ref)), (False,) * 3, None))
+    before = predicted_iteration_s(base, ref, None)
+    got = _corrected(base, centred)
+    assert predicted_iteration_s(got, ref, None) == pytest.approx(before, abs=1e-12)
+    other = [[0], [1, 2, 3], [4, 5]]  # the same count: its own hidden share only
+    assert predicted_iteration_s(got, other, None) == pytest.approx(
+        predicted_iteration_s(base, other, None), abs=0.02)
+    old = _corrected(base, term)
+    hidden = 3 * 0.02 - (predicted_iteration_s(old, ref, None) - old.level_s
+                         - (before - base.level_s))
+    assert hidden > 0.02  # most of the term is hidden in this timeline ...
+    assert predicted_iteration_s(old, ref, None) < before - 0.02  # ... the old level: too fast
+    # the slopes are the same either way; only the level differs
+    assert got.topk == old.topk and got.dense == old.dense
+    # a reference this timeline cannot price: the old level
+    def level_with(groups, dense=None, exchange=None, registered=None):
+        plan = (tuple(map(tuple, groups)), tuple(dense or [False] * len(groups)), exchange)
+        return _corrected(base, dataclasses.replace(term, ref_plan=plan), registered).level_s
+
+    assert level_with([[0, 1, 2], [3, 4, 5]]) != old.level_s  # any plan of these units
+    assert level_with([[0, 1], [2, 3]]) == old.level_s  # other units: the layout changed
+    assert level_with(ref, exchange="hierarchical") == old.level_s  # a two-level plan
+    # a reference plan saved without its exchange ran on the registration's
+    assert level_with(ref, registered="hierarchical") == old.level_s
+    assert level_with(ref, registered="flat") == got.level_s
+    # dense groups in the reference, no dense cost in the model: the old level
+    assert level_with(ref, dense=[True, False, False]) == old.level_s
+    # never below minus the step outside backward
+    far = _corrected(base, dataclasses.replace(centred, sparse_group_s=5.0))
+    assert far.level_s >= -(0.2 + 0.02)
 
 
 def settled_check_worker(rank, world_size, steps, sleep_s):

@@ -777,6 +777,36 @@ def test_the_group_term_is_centred_on_the_trials_typical_plan():
     assert fit_correction(candidates[:1], numels).sparse_groups_ref == 0.0
 
 
+def test_fit_correction_keeps_the_candidate_nearest_its_reference_as_the_typical_plan():
+    """The reference plan is the measured candidate whose sparse group count is nearest
+    the median (the first on a tie); it survives the state dict as plain lists."""
+    import json
+
+    numels = [1000] * 8
+    plans = [([[0, 1], [2, 3, 4], [5, 6, 7]], 0.781, 0.750),
+             ([list(range(8))], 0.975, 0.867),
+             ([[0], [1, 2, 3, 4], [5, 6, 7]], 0.808, 0.761),
+             ([[0, 1, 2, 3], [4, 5, 6, 7]], 0.817, 0.776),
+             ([[0, 1], [2, 3], [4, 5], [6, 7]], 0.782, 0.764)]
+    candidates = [{"groups": g, "dense": [False] * len(g), "predicted_s": p, "measured_s": m}
+                  for g, p, m in plans]
+    candidates.insert(0, dict(candidates[0], measured_s=None))  # unmeasured: never it
+    got = fit_correction(candidates, numels)
+    assert got.sparse_groups_ref == 3.0
+    assert got.ref_plan == (((0, 1), (2, 3, 4), (5, 6, 7)), (False, False, False), None)
+    # nearest, not equal: a median of 2.5 groups takes the first of the 2- and 3-group plans
+    four = candidates[2:]  # 1, 3, 2 and 4 groups
+    nearest = fit_correction([dict(c, exchange="flat") for c in four], numels)
+    assert nearest.sparse_groups_ref == 2.5 and len(nearest.ref_plan[0]) == 3
+    assert nearest.ref_plan[2] == "flat"
+    saved = json.loads(json.dumps(got.to_dict()))
+    assert Correction.from_dict(saved) == got
+    with pytest.raises(ValueError, match="ref_plan"):
+        Correction.from_dict(dict(saved, ref_plan=[[[0]], [False], "ring"]))
+    # no group term: no typical plan either
+    assert fit_correction(candidates[:2], numels).ref_plan is None
+
+
 def test_fit_correction_never_leaves_out_a_point_below_its_line():
     """CI's selection trial (2026-12-04, the test Net's six buckets): the model's plan sends
     three small buckets dense and measured 90 ms above the model, the all-dense plan 39 ms.

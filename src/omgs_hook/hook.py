@@ -229,7 +229,7 @@ def _parse_pinned_plan(plan):
     raise ValueError("plan: groups must hold parameter names or bucket indices, not a mix")
 
 
-def _corrected(base, correction):
+def _corrected(base, correction, exchange=None):
     """``base`` (the flat model from the measurements) plus what the last trial measured
     beyond it (a :class:`plan_selection.Correction`): the top-k's fixed cost gains its
     per-group term, the dense cost's beta its per-element term, each clamped at zero.
@@ -237,9 +237,13 @@ def _corrected(base, correction):
     steps, and moves with it (a trial in a loaded spell carried +150 ms into every later
     prediction); the tail and the rest of the step come from the fresh measurements,
     and a constant changes no plan's rank. The group term is centred on the trial's
-    typical plan (``sparse_groups_ref``): ``level_s`` takes back what the term, as
-    clamped, adds to a plan with that many sparse groups (never below minus the rest of
-    the step outside backward, so that no prediction is absurd)."""
+    typical plan: ``level_s`` takes back what the term, as clamped, adds to that plan
+    (``correction.ref_plan``) as ``base``'s timeline prices it - part of it hides behind
+    the network where that is the critical path. Without a reference plan this timeline
+    can price (one saved before it, a two-level plan, another layout) it takes back the
+    term times ``sparse_groups_ref``. Never below minus the rest of the step outside
+    backward, so that no prediction is absurd. ``exchange``: the registration's
+    exchange, which a reference plan saved without one ran on."""
     if correction is None:
         return base
     dense = base.dense
@@ -248,10 +252,33 @@ def _corrected(base, correction):
             0.0, dense.beta_s_per_byte + correction.dense_s_per_element / 4))
     topk = base.topk
     c0 = max(0.0, topk.c0 + correction.sparse_group_s)
-    level = max(-(base.forward_s + base.tail_s),
-                base.level_s - (c0 - topk.c0) * correction.sparse_groups_ref)
-    return dataclasses.replace(base, topk=TopkCost(c0=c0, c1=topk.c1, c2=topk.c2),
-                               dense=dense, level_s=level)
+    corrected = dataclasses.replace(base, topk=TopkCost(c0=c0, c1=topk.c1, c2=topk.c2),
+                                    dense=dense)
+    ref = _flat_reference_plan(base, correction, exchange)
+    if ref is not None:
+        groups, ref_dense = ref
+        added = (planner_mod.predicted_iteration_s(corrected, groups, ref_dense)
+                 - planner_mod.predicted_iteration_s(base, groups, ref_dense))
+    else:
+        added = (c0 - topk.c0) * correction.sparse_groups_ref
+    level = max(-(base.forward_s + base.tail_s), base.level_s - added)
+    return dataclasses.replace(corrected, level_s=level)
+
+
+def _flat_reference_plan(base, correction, exchange):
+    """``(groups, dense)`` of the correction's reference plan if ``base`` can price it:
+    a flat plan that covers ``base``'s units in order, dense groups only where ``base``
+    has a dense cost (``dense`` None where it has none); else None."""
+    if correction.ref_plan is None or not correction.sparse_group_s:
+        return None
+    groups, dense, ref_exchange = correction.ref_plan
+    if (ref_exchange or exchange or "flat") != "flat" or len(dense) != len(groups):
+        return None
+    if [u for g in groups for u in g] != list(range(len(base.layers))):
+        return None  # planned over other units (the layout changed since the trial)
+    if base.dense is None:
+        return (groups, None) if not any(dense) else None
+    return groups, list(dense)
 
 
 def _two_level_corrected(two_level, correction):
@@ -1410,7 +1437,8 @@ class OMGSState:
                 constant_s=old.constant_s + step.constant_s,
                 dense_s_per_element=old.dense_s_per_element + step.dense_s_per_element,
                 sparse_group_s=old.sparse_group_s + step.sparse_group_s,
-                points=step.points, sparse_groups_ref=step.sparse_groups_ref)
+                points=step.points, sparse_groups_ref=step.sparse_groups_ref,
+                ref_plan=step.ref_plan)
         report["correction"] = self._correction.to_dict() if self._correction is not None else None
         return report
 
@@ -1587,11 +1615,11 @@ class OMGSState:
         # kept for the model check, which refits the correction against these bases
         self._base_instance = (tuple(tuple(b) for b in layout), base, two_level, two_level_base)
         # what the last trial measured beyond the model (plan_selection.Correction)
-        instance = _corrected(base, correction)
+        instance = _corrected(base, correction, self._registered_exchange())
         # the flat exchange's instance: what a two-level run's flat candidates are priced by
         self._flat_instance = (self._base_instance[0], instance)
         if two_level_base is not base:
-            instance = _corrected(two_level_base, correction)
+            instance = _corrected(two_level_base, correction, self._registered_exchange())
         if two_level is not None:
             # the two-level exchange: its sparse groups follow the two-level timeline
             # (reduce-scatter and shard top-k, inter-node then intra-node all-gather);
@@ -1896,8 +1924,8 @@ class OMGSState:
             return None
         self._correction = fit
         if exchange == "flat" or (two_level is None and two_level_base is base):
-            return _corrected(base, fit)
-        instance = _corrected(two_level_base, fit)
+            return _corrected(base, fit, self._registered_exchange())
+        instance = _corrected(two_level_base, fit, self._registered_exchange())
         if two_level is None:
             return instance
         return hierarchical_instance(instance, *_two_level_corrected(two_level, fit))

@@ -775,13 +775,19 @@ class Correction:
     ``sparse_groups_ref`` is where the group term is centred: the median number of
     sparse groups of the candidates it was fitted on (0 without a group term). The
     constant is the fit's value at *no* sparse group, an extrapolation far from every
-    candidate; a plan with the reference's groups gets none of the group term (the hook
-    puts minus the term as clamped, times ``sparse_groups_ref``, in the instance's
-    ``level_s``), so the term moves plans relative
-    to the trial's typical plan instead of lifting them all. (ResNet-20, 8 ranks,
-    2026-12-05: 49 ms per sparse group with -138 ms of constant, fitted on 1-4 groups;
-    added from zero groups it priced the 3-group winner 22% too slow.) The dense term
-    stays anchored at zero: a plan with nothing dense has no all-reduce to contend with.
+    candidate; a plan with the reference's groups gets none of the group term, so the
+    term moves plans relative to the trial's typical plan instead of lifting them all.
+    (ResNet-20, 8 ranks, 2026-12-05: 49 ms per sparse group with -138 ms of constant,
+    fitted on 1-4 groups; added from zero groups it priced the 3-group winner 22% too
+    slow.) ``ref_plan`` is that typical plan, ``(groups, dense, exchange)`` over the
+    trial's units: the candidate whose sparse group count is nearest the reference (the
+    first such in the trial's order). The hook's ``level_s`` takes back what the term adds to
+    *that plan's timeline*, not ``sparse_group_s * sparse_groups_ref``: the term goes in
+    as top-k work, and where the network is the critical path part of it is hidden, so
+    taking back the full product priced every plan too fast (the same ResNet-20 at 8
+    ranks: 31 ms per group, 6 groups taken back, the 5-group winner predicted 14% under
+    its measured step). The dense term stays anchored at zero: a plan with nothing dense
+    has no all-reduce to contend with.
     """
 
     constant_s: float = 0.0
@@ -789,21 +795,33 @@ class Correction:
     sparse_group_s: float = 0.0
     points: int = 0
     sparse_groups_ref: float = 0.0
+    ref_plan: Optional[tuple] = None
 
     def extra_s(self, dense_elements, sparse_groups):
         return (self.constant_s + self.dense_s_per_element * dense_elements
                 + self.sparse_group_s * sparse_groups)
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.ref_plan is not None:  # plain lists: JSON and weights_only loads
+            groups, dense, exchange = self.ref_plan
+            d["ref_plan"] = [[list(g) for g in groups], list(dense), exchange]
+        return d
 
     @classmethod
     def from_dict(cls, d):
-        # (saved before the centring: no reference, the group term counted from zero)
+        # (saved before the centring: no reference, the group term counted from zero;
+        # before the reference plan: the term taken back as sparse_group_s * ref)
+        ref_plan = d.get("ref_plan")
+        if ref_plan is not None:
+            ref_plan = (tuple(tuple(int(u) for u in g) for g in ref_plan[0]),
+                        tuple(bool(x) for x in ref_plan[1]),
+                        check_exchange(ref_plan[2], "ref_plan"))
         return cls(constant_s=float(d["constant_s"]),
                    dense_s_per_element=float(d["dense_s_per_element"]),
                    sparse_group_s=float(d["sparse_group_s"]), points=int(d["points"]),
-                   sparse_groups_ref=float(d.get("sparse_groups_ref", 0.0)))
+                   sparse_groups_ref=float(d.get("sparse_groups_ref", 0.0)),
+                   ref_plan=ref_plan)
 
 
 def plan_features(groups, dense, numels):
@@ -877,12 +895,13 @@ def fit_correction(candidates, numels) -> Optional[Correction]:
     negative dense term is dropped (contention does not speed anything up), and with
     fewer points than terms the constant alone is fitted. None without a measured point.
     """
-    points = []
+    points, measured = [], []
     for c in candidates:
         if c.get("measured_s") is None:
             continue
         dense_elements, sparse_groups = plan_features(c["groups"], c["dense"], numels)
         points.append((dense_elements, sparse_groups, c["measured_s"] - c["predicted_s"]))
+        measured.append(c)
     if not points:
         return None
     targets = [p[2] for p in points]
@@ -899,7 +918,20 @@ def fit_correction(candidates, numels) -> Optional[Correction]:
         if coef.get(0, 0.0) < 0:
             terms = [t for t in terms if t != 0]
             continue
+        ref = float(statistics.median(p[1] for p in points)) if 1 in coef else 0.0
         return Correction(constant_s=solution[0], dense_s_per_element=coef.get(0, 0.0),
                           sparse_group_s=coef.get(1, 0.0), points=len(points),
-                          sparse_groups_ref=(float(statistics.median(p[1] for p in points))
-                                             if 1 in coef else 0.0))
+                          sparse_groups_ref=ref,
+                          ref_plan=_reference_plan(measured, points, ref) if 1 in coef else None)
+
+
+def _reference_plan(candidates, points, ref):
+    """``(groups, dense, exchange)`` of the candidate whose sparse group count is
+    nearest ``ref`` (the first in the given order on a tie)."""
+    best = None
+    for c, p in zip(candidates, points):
+        if best is None or abs(p[1] - ref) < best[0]:
+            best = (abs(p[1] - ref), c)
+    c = best[1]
+    return (tuple(tuple(int(u) for u in g) for g in c["groups"]),
+            tuple(bool(x) for x in c["dense"]), c.get("exchange"))
