@@ -360,6 +360,17 @@ def test_the_level_takes_back_what_the_term_adds_to_the_reference_plans_timeline
     assert level_with(ref, registered="flat") == got.level_s
     # dense groups in the reference, no dense cost in the model: the old level
     assert level_with(ref, dense=[True, False, False]) == old.level_s
+    # a reference with dense groups: the dense term (not centred) is never taken back,
+    # only what the group term adds on top of it (at most its full product)
+    with_dense = dataclasses.replace(base, dense=LinearCost(1e-3, 1e-9))
+    mixed = Correction(dense_s_per_element=1e-4, sparse_group_s=0.02, sparse_groups_ref=1.0,
+                       ref_plan=(((0, 1), (2, 3), (4, 5)), (True, False, True), "flat"))
+    level = _corrected(with_dense, mixed).level_s
+    assert -0.02 - 1e-12 <= level <= 0.0
+    no_dense_term = _corrected(with_dense, dataclasses.replace(mixed, dense_s_per_element=0.0))
+    dense_term_shows = (predicted_iteration_s(_corrected(with_dense, mixed), *mixed.ref_plan[:2])
+                        - predicted_iteration_s(no_dense_term, *mixed.ref_plan[:2]))
+    assert dense_term_shows > 0.1  # 2000 dense elements at 0.1 ms each, on the critical path
     # never below minus the step outside backward
     far = _corrected(base, dataclasses.replace(centred, sparse_group_s=5.0))
     assert far.level_s >= -(0.2 + 0.02)

@@ -252,13 +252,13 @@ def _corrected(base, correction, exchange=None):
             0.0, dense.beta_s_per_byte + correction.dense_s_per_element / 4))
     topk = base.topk
     c0 = max(0.0, topk.c0 + correction.sparse_group_s)
-    corrected = dataclasses.replace(base, topk=TopkCost(c0=c0, c1=topk.c1, c2=topk.c2),
-                                    dense=dense)
+    dense_only = dataclasses.replace(base, dense=dense)
+    corrected = dataclasses.replace(dense_only, topk=TopkCost(c0=c0, c1=topk.c1, c2=topk.c2))
     ref = _flat_reference_plan(base, correction, exchange)
-    if ref is not None:
+    if ref is not None:  # the group term's share only: the dense term is not centred
         groups, ref_dense = ref
         added = (planner_mod.predicted_iteration_s(corrected, groups, ref_dense)
-                 - planner_mod.predicted_iteration_s(base, groups, ref_dense))
+                 - planner_mod.predicted_iteration_s(dense_only, groups, ref_dense))
     else:
         added = (c0 - topk.c0) * correction.sparse_groups_ref
     level = max(-(base.forward_s + base.tail_s), base.level_s - added)
