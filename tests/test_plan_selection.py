@@ -748,13 +748,9 @@ def test_fit_correction_is_not_tilted_by_one_candidate_far_off_the_line():
     assert got.sparse_group_s == pytest.approx(0.001, rel=1e-9)
 
 
-def test_the_group_term_is_centred_on_the_trials_typical_plan():
-    """ResNet-20 on 8 ranks at density 0.01 (2026-12-05): the model priced TopK-SGD's one
-    group 108 ms too slow and plans of 2-4 groups 18-47 ms too slow, so the fit's line
-    falls steeply towards one group and its constant - its value at *no* group - is far
-    below every candidate. The reference is the candidates' median group count, where
-    the line sits among the points."""
-    numels = [1000] * 8
+def eight_rank_trial():
+    """Units, ``(groups, predicted, measured)`` and trial candidates of ResNet-20's trial on
+    8 ranks at density 0.01 (2026-12-05), on 8 units."""
     plans = [([[0, 1], [2, 3, 4], [5, 6, 7]], 0.781, 0.750),
              ([list(range(8))], 0.975, 0.867),
              ([[0], [1, 2, 3, 4], [5, 6, 7]], 0.808, 0.761),
@@ -762,6 +758,16 @@ def test_the_group_term_is_centred_on_the_trials_typical_plan():
              ([[0, 1], [2, 3], [4, 5], [6, 7]], 0.782, 0.764)]
     candidates = [{"groups": g, "dense": [False] * len(g), "predicted_s": p, "measured_s": m}
                   for g, p, m in plans]
+    return [1000] * 8, plans, candidates
+
+
+def test_the_group_term_is_centred_on_the_trials_typical_plan():
+    """ResNet-20 on 8 ranks at density 0.01 (2026-12-05): the model priced TopK-SGD's one
+    group 108 ms too slow and plans of 2-4 groups 18-47 ms too slow, so the fit's line
+    falls steeply towards one group and its constant - its value at *no* group - is far
+    below every candidate. The reference is the candidates' median group count, where
+    the line sits among the points."""
+    numels, plans, candidates = eight_rank_trial()
     got = fit_correction(candidates, numels)
     assert got.sparse_group_s > 0.02 and got.constant_s < -0.1  # steep, from far below
     assert got.sparse_groups_ref == 3.0
@@ -782,14 +788,7 @@ def test_fit_correction_keeps_the_candidate_nearest_its_reference_as_the_typical
     the median (the first on a tie); it survives the state dict as plain lists."""
     import json
 
-    numels = [1000] * 8
-    plans = [([[0, 1], [2, 3, 4], [5, 6, 7]], 0.781, 0.750),
-             ([list(range(8))], 0.975, 0.867),
-             ([[0], [1, 2, 3, 4], [5, 6, 7]], 0.808, 0.761),
-             ([[0, 1, 2, 3], [4, 5, 6, 7]], 0.817, 0.776),
-             ([[0, 1], [2, 3], [4, 5], [6, 7]], 0.782, 0.764)]
-    candidates = [{"groups": g, "dense": [False] * len(g), "predicted_s": p, "measured_s": m}
-                  for g, p, m in plans]
+    numels, plans, candidates = eight_rank_trial()
     candidates.insert(0, dict(candidates[0], measured_s=None))  # unmeasured: never it
     got = fit_correction(candidates, numels)
     assert got.sparse_groups_ref == 3.0
