@@ -814,9 +814,7 @@ class Correction:
         # before the reference plan: the term taken back as sparse_group_s * ref)
         ref_plan = d.get("ref_plan")
         if ref_plan is not None:
-            ref_plan = (tuple(tuple(int(u) for u in g) for g in ref_plan[0]),
-                        tuple(bool(x) for x in ref_plan[1]),
-                        check_exchange(ref_plan[2], "ref_plan"))
+            ref_plan = _ref_plan(*ref_plan[:2], check_exchange(ref_plan[2], "ref_plan"))
         return cls(constant_s=float(d["constant_s"]),
                    dense_s_per_element=float(d["dense_s_per_element"]),
                    sparse_group_s=float(d["sparse_group_s"]), points=int(d["points"]),
@@ -927,11 +925,12 @@ def fit_correction(candidates, numels) -> Optional[Correction]:
 
 def _reference_plan(candidates, points, ref):
     """``(groups, dense, exchange)`` of the candidate whose sparse group count is
-    nearest ``ref`` (the first in the given order on a tie)."""
-    best = None
-    for c, p in zip(candidates, points):
-        if best is None or abs(p[1] - ref) < best[0]:
-            best = (abs(p[1] - ref), c)
-    c = best[1]
-    return (tuple(tuple(int(u) for u in g) for g in c["groups"]),
-            tuple(bool(x) for x in c["dense"]), c.get("exchange"))
+    nearest ``ref`` (the first in the given order on a tie: ``min`` keeps the first)."""
+    c, _ = min(zip(candidates, points), key=lambda cp: abs(cp[1][1] - ref))
+    return _ref_plan(c["groups"], c["dense"], c.get("exchange"))
+
+
+def _ref_plan(groups, dense, exchange):
+    """A :attr:`Correction.ref_plan`: hashable, of plain ints and bools."""
+    return (tuple(tuple(int(u) for u in g) for g in groups),
+            tuple(bool(x) for x in dense), exchange)
