@@ -39,7 +39,8 @@ units, ``optimal`` is always the exact optimum - two exact searches, forward ove
 (:class:`_SuffixSearch`), take turns with growing candidate budgets until one finishes,
 each joining its states to what the other (or a beam search) found (:func:`_search`).
 Beyond that size, and always with a dense cost (whose fronts can take
-minutes to search exhaustively), :data:`SEARCH_BUDGET` stops a search that has not
+minutes to search exhaustively: choosing the modes is NP-hard, a reduction from
+PARTITION in docs/cost-model.md), :data:`SEARCH_BUDGET` stops a search that has not
 finished; ``optimal`` then returns the best plan found, improved by a local search
 (:func:`_polish`), and emits :class:`SearchBudgetWarning`.
 
