@@ -97,6 +97,13 @@ def parse_args(argv=None):
         help="image side length: digits are upsampled to it, synthetic images drawn at it "
              "(default: 16 for resnet20 on digits, 32 for vgg16 and synthetic images)")
     add("--seq-len", type=int, default=64, help="characters per LSTM training sequence")
+    add("--text-corpus", choices=tuple(example_data.TEXT_CORPORA), default="small",
+        help="LSTM text: 'small' (5 standard-library modules, ~485 KB) or 'large' (20, "
+             "~1.75 MB; the convergence study's)")
+    add("--lstm-hidden-size", type=int, default=None,
+        help="LSTM hidden units per layer (default 256)")
+    add("--lstm-embedding-dim", type=int, default=None,
+        help="LSTM character embedding size (default 128)")
     # optimisation
     add("--epochs", type=int, default=6, help="length of the learning-rate schedule")
     add("--steps", type=int, default=None, help="stop after this many steps in total")
@@ -205,8 +212,13 @@ def _validate(parser, args):
         if getattr(args, key) is None:
             setattr(args, key, value)
     for name in ("epochs", "steps", "batch-size", "lr", "threads", "seq-len", "replan-every",
-                 "checkpoint-every", "powersgd-rank", "bucket-cap-mb", "hook-log-every"):
+                 "checkpoint-every", "powersgd-rank", "bucket-cap-mb", "hook-log-every",
+                 "lstm-hidden-size", "lstm-embedding-dim"):
         positive(name)
+    if args.model != "lstm":
+        for name in ("lstm_hidden_size", "lstm_embedding_dim"):
+            if getattr(args, name) is not None:
+                parser.error(f"--{name.replace('_', '-')}: only for --model lstm")
     if args.image_size is not None and args.image_size < 4:
         parser.error(f"--image-size: must be at least 4, got {args.image_size}")
     if args.model == "vgg16" and args.image_size is not None and args.image_size % 32:
@@ -316,7 +328,8 @@ def load_data(args):
     if args.model == "lstm":
         if args.synthetic:
             return example_data.synthetic_tokens(seq_len=args.seq_len, seed=args.seed)
-        return example_data.text_corpus(seq_len=args.seq_len)
+        return example_data.text_corpus(seq_len=args.seq_len,
+                                        modules=example_data.TEXT_CORPORA[args.text_corpus])
     if args.synthetic:
         return example_data.synthetic_images(image_size=args.image_size or 32, seed=args.seed)
     image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.model]
@@ -325,7 +338,10 @@ def load_data(args):
 
 def make_model(args, dataset):
     if dataset.kind == "text":
-        return build_model(args.model, vocab_size=dataset.num_classes)
+        sizes = {key: value for key, value in (("hidden_size", args.lstm_hidden_size),
+                                               ("embedding_dim", args.lstm_embedding_dim))
+                 if value is not None}
+        return build_model(args.model, vocab_size=dataset.num_classes, **sizes)
     return build_model(args.model, in_channels=dataset.in_channels,
                        num_classes=dataset.num_classes)
 
