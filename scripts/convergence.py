@@ -36,6 +36,11 @@ Usage::
     python scripts/convergence.py --quick --results /tmp/c.json --doc /tmp/c.md \
         --plot /tmp/c.png                                # smoke run
 
+``--model lstm`` runs the LSTM study instead (docs/convergence.md, "LSTM"): validation
+bits per character of a 250k-parameter character-level LSTM on the large
+standard-library corpus, 7 epochs, with DGC's warm-up and local clipping as extra rows
+(``LSTM_CONFIGS``, ``LSTM_STUDY_OPTIONS``; about 35 minutes for 15 runs).
+
 Options after ``--`` are passed to every ``train.py`` run unchanged (e.g.
 ``-- --batch-size 64``), so both sides always see them.
 

@@ -191,6 +191,21 @@ def test_stdlib_corpus_is_read_from_this_python():
     assert d.train_inputs.shape[1] == 64 and d.train_inputs.dtype == torch.int64
     with pytest.raises(ValueError, match="no Python source"):
         D.stdlib_text(("sys",))  # built into the interpreter, no .py file
+    assert d.info["modules"] == list(D.DEFAULT_TEXT_MODULES)
+
+
+def test_the_large_corpus_holds_the_small_one_and_holds_out_modules_never_trained_on():
+    small, large = D.text_corpus(seq_len=64), D.text_corpus(seq_len=64,
+                                                            modules=D.LARGE_TEXT_MODULES)
+    assert D.LARGE_TEXT_MODULES[:len(D.DEFAULT_TEXT_MODULES)] == D.DEFAULT_TEXT_MODULES
+    assert large.num_train > 3 * small.num_train
+    # the held-out tail (10% of the windows) lies inside the last three modules, and
+    # takes all of the last two (locale, mailbox): modules never trained on
+    def length(modules):
+        return sum(len(D.stdlib_text((m,))) + 1 for m in modules)
+
+    held_out = large.test_inputs.numel()
+    assert length(D.LARGE_TEXT_MODULES[-2:]) < held_out < length(D.LARGE_TEXT_MODULES[-3:])
 
 
 def test_synthetic_data_is_seeded():

@@ -96,6 +96,27 @@ def test_options_are_validated_before_anything_starts(train_script):
     assert (args.lr, args.weight_decay, args.clip_grad_norm) == (0.3, 5e-4, None)
 
 
+def test_lstm_size_and_corpus_options(train_script):
+    """The convergence study's LSTM: its sizes and corpus reach the model and the data,
+    and are refused where they mean nothing."""
+    from omgs_hook.examples import data as example_data
+
+    parse = train_script.parse_args
+    args = parse(["--model", "lstm", "--lstm-hidden-size", "16", "--lstm-embedding-dim", "8",
+                  "--text-corpus", "small", "--seq-len", "32"])
+    dataset = train_script.load_data(args)
+    assert dataset.info["modules"] == list(example_data.DEFAULT_TEXT_MODULES)
+    model = train_script.make_model(args, dataset)
+    assert (model.lstm.hidden_size, model.embedding.embedding_dim) == (16, 8)
+    default = train_script.make_model(parse(["--model", "lstm"]), dataset)
+    assert (default.lstm.hidden_size, default.embedding.embedding_dim) == (256, 128)
+    for bad in (["--model", "resnet20", "--lstm-hidden-size", "16"],
+                ["--model", "lstm", "--lstm-embedding-dim", "0"],
+                ["--model", "lstm", "--text-corpus", "huge"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+
+
 def test_invalid_option_message_names_it():
     returncode, output = launch(["--density", "2"], nproc=None, timeout=60)
     assert returncode == 2 and "--density" in output
