@@ -510,6 +510,13 @@ def test_convergence_lstm_defaults_and_the_local_clip_replaces_the_global_one():
     assert args.epochs == convergence.LSTM_EPOCHS and args.profile is None
     assert args.results.endswith("convergence_lstm.json")
     assert "--no-allow-dense" in args.train_args
+    # the study's model and corpus, unless the user gives their own after --
+    for option, value in convergence.LSTM_STUDY_OPTIONS:
+        assert args.train_args[args.train_args.index(option) + 1] == value
+    own = convergence.parse_args(["--model", "lstm", "--", "--lstm-hidden-size", "64"])
+    assert own.train_args.count("--lstm-hidden-size") == 1
+    assert own.train_args[own.train_args.index("--lstm-hidden-size") + 1] == "64"
+    assert "--text-corpus" in own.train_args
     clip = convergence.train_command("omgs", 0.001, 0, 8, "log", args, local_clip=True)
     assert clip[clip.index("--local-clip-norm") + 1] == "1.0"
     # the last --clip-grad-norm wins in train.py: the averaged update is not clipped again
