@@ -25,6 +25,11 @@ from omgs_hook.planner import SearchBudgetWarning, make_plan
 Q = 4  # elements per unit of an item: the last sentinel then costs 1/Q, a binary fraction
 
 
+def sentinel_seconds(items):
+    """``W``: each sentinel's seconds, more than every item term of the timeline."""
+    return 2 * sum(items) + 2
+
+
 def partition_instance(items):
     """The planning instance that encodes PARTITION for the positive integers ``items``.
 
@@ -37,7 +42,7 @@ def partition_instance(items):
     items = [int(a) for a in items]
     if not items or min(items) < 1:
         raise ValueError("items must be positive integers")
-    W = 2 * sum(items) + 2
+    W = sentinel_seconds(items)
     units = ([Unit(Q * W, 0.0)] + [Unit(Q * a, 0.0) for a in items] + [Unit(1, float(W))])
     return Instance(
         layers=tuple(units), world_size=2, density=1.0, forward_s=0.0,
@@ -58,7 +63,11 @@ def predicted_optimum(items):
     ``V = partition_value``, i.e. ``W + S + 1/Q`` on a yes-instance (``V = S``) and
     ``W + V >= W + S + 1/2`` on a no-instance (the sentinel ``Z``'s ``1/Q`` then falls on
     the shorter side)."""
-    return 2 * sum(items) + 2 + max(partition_value(items), sum(items) / 2 + 1.0 / Q)
+    return sentinel_seconds(items) + max(partition_value(items), sum(items) / 2 + 1.0 / Q)
+
+
+def is_yes_instance(items):
+    return partition_value(items) * 2 == sum(items)
 
 
 CASES = [
@@ -79,9 +88,8 @@ def test_the_planning_optimum_is_the_partition_optimum(items):
     exact = brute_force(inst)
     assert exact == pytest.approx(predicted_optimum(items), abs=1e-9)
     # a yes-instance lies 1/2 - 1/Q below every no-instance of the same sum
-    is_yes = partition_value(items) * 2 == sum(items)
-    W = 2 * sum(items) + 2
-    if is_yes:
+    W = sentinel_seconds(items)
+    if is_yes_instance(items):
         assert exact == pytest.approx(W + sum(items) / 2 + 1.0 / Q, abs=1e-9)
     else:
         assert exact >= W + sum(items) / 2 + 0.5 - 1e-9
@@ -111,7 +119,7 @@ def test_a_random_batch_of_partition_instances_reduces_exactly():
         items = [int(a) for a in rng.integers(1, 12, size=int(rng.integers(3, 7)))]
         exact = brute_force(partition_instance(items))
         assert exact == pytest.approx(predicted_optimum(items), abs=1e-9), items
-        seen.add(partition_value(items) * 2 == sum(items))
+        seen.add(is_yes_instance(items))
     assert seen == {True, False}  # both kinds were drawn
 
 
