@@ -21,6 +21,7 @@ Usage::
     python scripts/bench_hook_overhead.py                       # 1M, 12M, 50M elements
     python scripts/bench_hook_overhead.py --sizes 1e6 --rounds 3 --json out.json
     python scripts/bench_hook_overhead.py --sizes 12e6 --buckets 40  # one group of 40 buckets
+    python scripts/bench_hook_overhead.py --fused-pass chunks   # without the C pass
 
 ``--buckets B`` splits the gradient over B equal ``Linear`` layers, one DDP bucket each,
 which ``strategy="single"`` merges into ONE group of B runs - what an OMGS group of
@@ -53,7 +54,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import omgs_hook  # noqa: E402
-from omgs_hook import cli_types  # noqa: E402
+from omgs_hook import cli_types, topk  # noqa: E402
 
 DENSITY = 0.001
 BATCH = 8
@@ -271,8 +272,18 @@ def main(argv=None):
                              "per bucket (default single)")
     parser.add_argument("--density", type=cli_types.density, default=DENSITY,
                         help=f"the hook's density (default {DENSITY})")
+    parser.add_argument("--fused-pass", choices=("c", "chunks"), default=None,
+                        help="the CPU's fused accumulate-and-select pass: c (omgs_hook._native, "
+                             "the default where it is built) or chunks (the NumPy/torch loop; "
+                             "sets OMGS_HOOK_NATIVE=0 for the ranks), for a before/after")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.fused_pass is not None:  # read by omgs_hook.topk when the ranks import it
+        os.environ["OMGS_HOOK_NATIVE"] = "1" if args.fused_pass == "c" else "0"
+        if args.fused_pass == "c" and topk._load_native() is None:
+            parser.error("--fused-pass c: omgs_hook._native is not built here")
+    fused_pass = "c" if topk._load_native() is not None else "chunks"
+    print(f"fused pass: {fused_pass}")
     if args.buckets < 1:
         parser.error(f"--buckets: must be >= 1, got {args.buckets}")
     sizes = args.sizes if isinstance(args.sizes, list) else [
@@ -286,6 +297,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "buckets": args.buckets,
                        "strategy": args.strategy, "density": args.density,
+                       "fused_pass": fused_pass,
                        "load": os.getloadavg(),
                        "results": results}, f,
                       indent=1)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from omgs_hook import topk_cupy
+from omgs_hook import topk, topk_cupy
 from omgs_hook.topk import (
     BACKENDS,
     BackendUnavailableError,
@@ -546,6 +546,21 @@ def test_bench_script_smoke(tmp_path):
         bench.main(["--sizes", "0"])
 
 
+NATIVE = topk._native  # the C pass as imported (None: not built, or OMGS_HOOK_NATIVE=0)
+
+
+@pytest.fixture(params=["native", "chunks"])
+def fused_pass(request, monkeypatch):
+    """Run a test with the fused pass in C, then with the NumPy/torch chunk loop."""
+    if request.param == "native":
+        if NATIVE is None:
+            pytest.skip("omgs_hook._native is not built here (no C compiler at install?)")
+        monkeypatch.setattr(topk, "_native", NATIVE)
+    else:
+        monkeypatch.setattr(topk, "_native", None)
+    return request.param
+
+
 def _runs_of(values, cuts, dtype):
     """Split ``values`` at ``cuts`` into separate gradient tensors (like bucket runs)."""
     runs, start = [], 0
@@ -558,7 +573,7 @@ def _runs_of(values, cuts, dtype):
 @pytest.mark.parametrize("name", sorted(CPU_SELECTORS))
 @pytest.mark.parametrize("case", ["random", "ties", "nonfinite", "zeros", "bf16", "no-residual"])
 @pytest.mark.parametrize("numel, cuts", [(100_003, []), (600_000, [1, 250_000, 333_333])])
-def test_accumulate_select_equals_sum_then_select(name, case, numel, cuts):
+def test_accumulate_select_equals_sum_then_select(name, case, numel, cuts, fused_pass):
     gen = torch.Generator().manual_seed(numel + len(case))
     if case == "ties":
         grad = torch.randint(-4, 5, (numel,), generator=gen).float()
@@ -674,7 +689,7 @@ def test_accumulate_with_fused_launches_equals_one_add_per_run(with_residual):
 
 
 @pytest.mark.parametrize("case", ["random", "ties", "nonfinite", "multi-run"])
-def test_a_group_hint_changes_the_speed_never_the_result(case):
+def test_a_group_hint_changes_the_speed_never_the_result(case, fused_pass):
     """The fused pass's threshold from the group's previous call (``hint_key``): call
     after call on changing sums - steady, a top that falls by 15% or 10x (the hint passes fewer
     than k: a miss, then the sampled path), one that rises 10x (many candidates), NaN
@@ -704,9 +719,14 @@ def test_a_group_hint_changes_the_speed_never_the_result(case):
     stats = hinted.stats()
     assert stats["hinted_calls"] >= 4 and stats["hint_misses"] >= 1
     assert plain.stats()["hinted_calls"] == 0
+    # the 10x rise passes more candidates than the C pass's buffers hold: it raises
+    assert stats["raises"] >= (1 if fused_pass == "native" else 0)
+    assert stats["overflows"] == 0
+    if fused_pass == "chunks":
+        assert stats["raises"] == 0
 
 
-def test_a_hint_is_kept_per_group_and_k():
+def test_a_hint_is_kept_per_group_and_k(fused_pass):
     """A hint is used only by the same key with the same k; a hint from a NaN-topped
     call is not kept."""
     numel = 100_000
@@ -730,3 +750,156 @@ def test_a_hint_is_kept_per_group_and_k():
     before = selector.stats()["hinted_calls"]
     assert call("c", 100) == before
     assert call(None, 100) == before  # no key, no hint
+
+
+def _pass_inputs(seed, lengths, with_residual):
+    """Runs of the given lengths (some empty, odd offsets) over one group, with values
+    on the threshold, -0.0, NaN and +-inf among them."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = sum(lengths)
+    grad = torch.randn(numel, generator=gen)
+    if numel > 10:
+        grad[3] = -0.0
+        grad[numel // 3] = float("nan")
+        grad[numel // 2] = float("inf")
+        grad[numel - 1] = -float("inf")
+        grad[5:9] = 1.5  # exactly the threshold: |x| >= t keeps them
+    residual = torch.randn(numel, generator=gen) * 0.01 if with_residual else None
+    if residual is not None and numel > 10:
+        residual[5:9] = 0.0
+    runs, offset = [], 0
+    for length in lengths:
+        runs.append((offset, length, grad[offset:offset + length].clone()))
+        offset += length
+    return runs, residual, numel
+
+
+@pytest.mark.skipif(NATIVE is None, reason="omgs_hook._native is not built here")
+@pytest.mark.parametrize("lengths", [[1], [63], [64], [65], [1000, 0, 3, 129, 7, 70_001],
+                                     [0, 5, 0], [200_003]])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("clear", [True, False])
+def test_the_c_pass_equals_the_chunk_loop_bit_for_bit(lengths, with_residual, clear):
+    """``_native_pass`` against ``_chunk_pass`` on the same inputs: the same sums, the
+    same candidates (positions and values) in the same order, the same gradient runs
+    after (zeroed or untouched) - for runs at odd offsets, of any length (a partial last
+    block, empty runs), with NaN, inf, -0.0 and values right on the threshold."""
+    threshold_bits = np.float32(1.5).view(np.uint32)
+    results = []
+    for use_native in (True, False):
+        runs, residual, numel = _pass_inputs(len(lengths) + sum(lengths), lengths, with_residual)
+        out = torch.full((numel,), 7.0)
+        selector = SampledTopkSelector()
+        if use_native:
+            found = selector._native_pass(runs, residual, out, 4, threshold_bits, clear)
+        else:
+            found = selector._chunk_pass(runs, residual, out, threshold_bits, clear)
+        positions, values, final_bits = found
+        assert final_bits == threshold_bits  # few candidates: no raise
+        results.append((out.view(torch.int32).clone(),
+                        None if positions is None else positions.tolist(),
+                        None if values is None else values.view(np.int32).tolist(),
+                        [g.view(torch.int32).clone() for _, _, g in runs]))
+    (out_a, pos_a, val_a, runs_a), (out_b, pos_b, val_b, runs_b) = results
+    assert torch.equal(out_a, out_b)
+    assert pos_a == pos_b and val_a == val_b
+    assert all(torch.equal(a, b) for a, b in zip(runs_a, runs_b))
+    if sum(lengths) > 10:
+        assert {5, 6, 7, 8}.issubset(pos_a)  # on the threshold
+        assert 3 not in pos_a  # -0.0
+
+
+def test_the_c_pass_declines_what_it_cannot_run(monkeypatch):
+    """A non-contiguous or non-float32 run, a non-contiguous residual, a threshold of 0 or
+    no extension: ``_native_pass`` returns None (the chunk loop runs) and writes nothing."""
+    selector = SampledTopkSelector()
+    bits = np.float32(1.0).view(np.uint32)
+    out = torch.full((100,), 7.0)
+    strided = torch.randn(200)[::2]
+    cases = [
+        ([(0, 100, strided)], None, bits),
+        ([(0, 100, torch.randn(100, dtype=torch.float64))], None, bits),
+        ([(0, 100, torch.randn(100))], torch.randn(200)[::2], bits),
+        ([(0, 100, torch.randn(100))], None, np.uint32(0)),
+    ]
+    if NATIVE is not None:
+        for runs, residual, threshold in cases:
+            assert selector._native_pass(runs, residual, out, 3, threshold, True) is None
+        assert torch.equal(out, torch.full((100,), 7.0))
+    monkeypatch.setattr(topk, "_native", None)
+    assert selector._native_pass([(0, 100, torch.randn(100))], None, out, 3, bits, True) is None
+
+
+@pytest.mark.skipif(NATIVE is None, reason="omgs_hook._native is not built here")
+def test_the_c_pass_rejects_bad_arguments():
+    """The extension checks what it can: a threshold that is not a positive float32's
+    pattern, negative counts, ``keep`` outside ``[1, cap)`` and null addresses raise
+    ValueError, not a crash."""
+    out = torch.zeros(4)
+    runs = np.array([out.data_ptr(), 0, 0], dtype=np.int64)
+    positions, values = np.empty(4, dtype=np.int64), np.empty(4, dtype=np.float32)
+    good = (runs.ctypes.data, 1, 0, out.data_ptr(), 1, True, positions.ctypes.data,
+            values.ctypes.data, 4, 2)
+    assert NATIVE.accumulate_select_f32(*good) == (0, 1)
+    for index, bad in ((4, 0), (4, 0x80000000), (4, -5), (1, -1), (8, 0), (9, 0), (9, 4),
+                       (0, 0), (3, 0), (6, 0), (7, 0)):
+        args = list(good)
+        args[index] = bad
+        with pytest.raises((ValueError, OverflowError)):
+            NATIVE.accumulate_select_f32(*args)
+
+
+def test_the_c_pass_is_built_where_a_compiler_is(monkeypatch):
+    """The install builds ``omgs_hook._native`` wherever a C compiler is on the PATH (CI
+    has gcc): a silent fall back to the chunk loop would cost about 1.5 copies of the
+    gradient per sparse group and step (docs/hot-path.md). OMGS_HOOK_NATIVE=0 turns it off."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the chunk loop is the expected path")
+    if topk.os.environ.get("OMGS_HOOK_NATIVE", "1") == "0":
+        pytest.skip("OMGS_HOOK_NATIVE=0 in this environment")
+    assert NATIVE is not None, "omgs_hook._native was not built: reinstall with pip install -e ."
+    monkeypatch.setenv("OMGS_HOOK_NATIVE", "0")
+    assert topk._load_native() is None
+    monkeypatch.setenv("OMGS_HOOK_NATIVE", "1")
+    assert topk._load_native() is NATIVE
+
+
+@pytest.mark.skipif(NATIVE is None, reason="omgs_hook._native is not built here")
+@pytest.mark.parametrize("case", ["rising", "ascending", "ties", "few-distinct", "nan"])
+def test_the_c_pass_raises_a_threshold_far_too_low_and_stays_exact(case):
+    """A threshold that lets nearly everything through (a hint from a step whose sums were
+    much smaller) fills the C pass's buffers: it raises the threshold as it goes and the
+    top k is still exact - on sums that rise along the group (every entry passes the
+    threshold in force: the worst case for the raises), on ties at the raised threshold
+    (the buffers cannot shrink: the sampled path on the finished sums), and with NaN."""
+    numel, k = 300_000, 300
+    gen = torch.Generator().manual_seed(11)
+    if case == "rising":
+        grad = torch.randn(numel, generator=gen) * torch.linspace(1, 3, numel)
+    elif case == "ascending":
+        grad = torch.linspace(0.5, 2.0, numel)
+    elif case == "ties":
+        grad = torch.ones(numel)
+    elif case == "few-distinct":
+        grad = torch.randint(1, 4, (numel,), generator=gen).float()
+    else:
+        grad = torch.randn(numel, generator=gen)
+        grad[::1000] = float("nan")
+    residual = torch.randn(numel, generator=gen) * 0.01
+    if case == "ties":
+        residual.zero_()
+    expected_out = grad + residual
+    ev, ei = TorchTopkSelector().select(expected_out, k)
+    selector = SampledTopkSelector()
+    selector._remember("group", k, 1e-6)  # far too low: every entry is a candidate
+    run = grad.clone()
+    out = torch.empty(numel)
+    values, indices = selector.accumulate_select([(0, numel, run)], residual, out, k,
+                                                 clear_runs=True, hint_key="group")
+    assert torch.equal(out.view(torch.int32), expected_out.view(torch.int32))
+    assert torch.equal(indices, ei)
+    assert torch.equal(values.view(torch.int32), ev.view(torch.int32))
+    assert not bool(run.any())
+    stats = selector.stats()
+    assert stats["hinted_calls"] == 1 and stats["raises"] == 1
+    assert stats["overflows"] == int(case == "ties")

@@ -59,6 +59,7 @@ group's next call starts from instead of a sample: speed only, never the result.
 import importlib.util
 import math
 import operator
+import os
 import threading
 import warnings
 
@@ -66,6 +67,24 @@ import numpy as np
 import torch
 
 BACKENDS = ("torch", "sampled", "cupy")
+
+
+def _load_native():
+    """The optional C pass (``omgs_hook._native``, built at install where a C compiler
+    is present), or None: not built, or ``OMGS_HOOK_NATIVE=0`` in the environment."""
+    if os.environ.get("OMGS_HOOK_NATIVE", "1") == "0":
+        return None
+    try:
+        from omgs_hook import _native
+    except ImportError:
+        return None
+    return _native
+
+
+# the fused pass in C, or None (the NumPy/torch chunk loop runs instead: same results)
+_native = _load_native()
+# what the C pass returns when more candidates passed than its buffers hold
+_OVERFLOW = object()
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -306,7 +325,8 @@ class SampledTopkSelector(TopkSelector):
         self._scratch_local = threading.local()
         self._lock = threading.Lock()
         self._counts = {"calls": 0, "sampled_calls": 0, "retries": 0, "fallbacks": 0,
-                        "candidates": 0, "hinted_calls": 0, "hint_misses": 0}
+                        "candidates": 0, "hinted_calls": 0, "hint_misses": 0,
+                        "raises": 0, "overflows": 0}
         self._hints = {}  # (hint_key, k) -> the group's last k-th largest magnitude
 
     def stats(self):
@@ -314,7 +334,10 @@ class SampledTopkSelector(TopkSelector):
         threshold needed), fallbacks (full top-k needed), candidates (summed count),
         hinted_calls (fused passes whose threshold was the group's previous k-th
         magnitude, no sample), hint_misses (of those, passes with fewer than k
-        candidates, which then took the sampled path on the finished sums)."""
+        candidates, which then took the sampled path on the finished sums), raises
+        (fused passes in C that raised their threshold when the candidates filled its
+        buffers: the threshold was far too low), overflows (of those, passes where ties
+        kept the buffers full, which then took the sampled path on the sums too)."""
         with self._lock:
             return dict(self._counts)
 
@@ -454,10 +477,12 @@ class SampledTopkSelector(TopkSelector):
         group's k-th largest magnitude of its previous call times :data:`HINT_MARGIN`
         when ``hint_key`` names a group seen before with the same k, else it comes from
         the sample positions' values of ``gradient + residual`` (read before the pass).
-        Then one pass in cache-sized chunks writes each chunk of ``out``, its magnitudes
-        into a small reused buffer, compares them and collects the chunk's candidate
-        positions and values (and, with ``clear_runs``, zeroes the gradient chunk it just
-        read) - so neither ``|out|`` nor a group-sized mask goes through memory, and the
+        Then one pass writes ``out``, compares the magnitudes with the threshold and
+        collects the candidate positions and values (and, with ``clear_runs``, zeroes
+        the gradient it just read): in C (``omgs_hook._native``) where it is built and
+        every run is a contiguous float32 tensor, 64 elements at a time in registers;
+        else in cache-sized chunks in NumPy/torch (:meth:`_chunk_pass`). Either way
+        neither ``|out|`` nor a group-sized mask goes through memory, and the
         candidates are never read back from it. The rest is the sampled path: at least k
         candidates make the exact rule on the candidates exact; fewer (or a threshold of
         0, or NaN/inf in the sample) fall back to the plain path on the finished ``out``.
@@ -481,33 +506,15 @@ class SampledTopkSelector(TopkSelector):
                 return super().accumulate_select(runs, residual, out, k, clear_runs)
             threshold_bits = first.reshape(1).view(torch.int32).numpy().view(np.uint32)[0]
         self._count(calls=1, sampled_calls=1, hinted_calls=int(hint is not None))
-        chunk = self._chunk_scratch(out.dtype)
-        chunk_mask = self._chunk_scratch(torch.bool).numpy()
-        found, found_values = [], []  # ascending candidate positions and their values
         with torch.no_grad():
-            for offset, length, grad in runs:
-                for start in range(0, length, FUSED_CHUNK):
-                    stop = min(length, start + FUSED_CHUNK)
-                    target = out[offset + start:offset + stop]
-                    source = grad[start:stop]
-                    if residual is None:
-                        target.copy_(source)
-                    else:
-                        torch.add(source, residual[offset + start:offset + stop], out=target)
-                    if clear_runs:
-                        source.zero_()  # still in cache: the write-back need not zero it
-                    magnitudes = chunk[:stop - start]
-                    torch.abs(target, out=magnitudes)
-                    hits = chunk_mask[:stop - start]
-                    np.greater_equal(magnitudes.view(torch.int32).numpy().view(np.uint32),
-                                     threshold_bits, out=hits)
-                    where = np.flatnonzero(hits)
-                    if where.size:
-                        found.append(where + (offset + start))
-                        found_values.append(target.numpy()[where])  # from cache
-            if found and sum(len(f) for f in found) >= k:
-                candidates = torch.from_numpy(np.concatenate(found))
-                values = np.concatenate(found_values)
+            found = self._native_pass(runs, residual, out, k, threshold_bits, clear_runs)
+            if found is None:
+                found = self._chunk_pass(runs, residual, out, threshold_bits, clear_runs)
+            overflow = found is _OVERFLOW
+            candidates, values, threshold_bits = (
+                (None, None, threshold_bits) if overflow else found)
+            if candidates is not None and candidates.size >= k:
+                candidates = torch.from_numpy(candidates)
                 self._count(candidates=candidates.numel())
                 magnitudes = np.abs(values)
                 chosen, kth = _exact_topk(torch.from_numpy(magnitudes), k)
@@ -515,12 +522,96 @@ class SampledTopkSelector(TopkSelector):
                     self._remember(hint_key, k, _next_threshold(
                         magnitudes, k, kth, threshold_bits.view(np.float32)))
                 return torch.from_numpy(values)[chosen], candidates[chosen]
-            self._count(retries=1, hint_misses=int(hint is not None))
+            # fewer than k candidates (the top fell), or more than the C pass's buffers
+            # hold (it rose): the sampled path on the finished sums
+            self._count(retries=1, hint_misses=int(hint is not None and not overflow),
+                        overflows=int(overflow))
             indices = self._select_sampled(self._magnitudes(out), k)
             values = out[indices]
-            if hint_key is not None:  # the top fell: start lower than its new k-th value
+            if hint_key is not None:  # start lower than the new k-th value
                 self._remember(hint_key, k, HINT_AFTER_MISS * float(values.abs().min()))
             return values, indices
+
+    def _chunk_pass(self, runs, residual, out, threshold_bits, clear_runs):
+        """The fused pass in NumPy/torch, chunk by chunk: ``(candidate positions, their
+        values, threshold_bits)``, NumPy arrays in ascending position (None with none)."""
+        chunk = self._chunk_scratch(out.dtype)
+        chunk_mask = self._chunk_scratch(torch.bool).numpy()
+        found, found_values = [], []  # ascending candidate positions and their values
+        for offset, length, grad in runs:
+            for start in range(0, length, FUSED_CHUNK):
+                stop = min(length, start + FUSED_CHUNK)
+                target = out[offset + start:offset + stop]
+                source = grad[start:stop]
+                if residual is None:
+                    target.copy_(source)
+                else:
+                    torch.add(source, residual[offset + start:offset + stop], out=target)
+                if clear_runs:
+                    source.zero_()  # still in cache: the write-back need not zero it
+                magnitudes = chunk[:stop - start]
+                torch.abs(target, out=magnitudes)
+                hits = chunk_mask[:stop - start]
+                np.greater_equal(magnitudes.view(torch.int32).numpy().view(np.uint32),
+                                 threshold_bits, out=hits)
+                where = np.flatnonzero(hits)
+                if where.size:
+                    found.append(where + (offset + start))
+                    found_values.append(target.numpy()[where])  # from cache
+        if not found:
+            return None, None, threshold_bits
+        return np.concatenate(found), np.concatenate(found_values), threshold_bits
+
+    def _native_pass(self, runs, residual, out, k, threshold_bits, clear_runs):
+        """The fused pass in C (``omgs_hook._native``): ``(candidate positions, their
+        values, the threshold's bits at the end)``, the positions ascending. Its
+        candidate buffers hold ``cap`` entries; when they fill up it raises the
+        threshold to the magnitude that keeps ``cap // 2`` (>= k) of them, which keeps
+        the top k whole (a threshold far too low costs a few selections among the
+        buffers, not a second pass). Without that the candidates are those of
+        :meth:`_chunk_pass`, bit for bit. :data:`_OVERFLOW` when ties at the raised
+        threshold left nothing to drop (the sums and the zeros are complete: the caller
+        selects on ``out``). None where it cannot run: not built, a threshold of 0, or a
+        run or residual that is not a contiguous float32 CPU tensor (the chunk loop
+        handles those)."""
+        native = _native
+        if native is None or int(threshold_bits) == 0:
+            return None
+        if residual is not None and not residual.is_contiguous():
+            return None
+        table = []
+        for offset, length, grad in runs:
+            if (grad.dtype != torch.float32 or grad.device.type != "cpu"
+                    or not grad.is_contiguous() or grad.numel() != length):
+                return None
+            table += (grad.data_ptr() if length else 0, offset, length)
+        table = np.array(table, dtype=np.int64)
+        # room for the hint's 3k (HINT_HEADROOM) and the sample's margin before a raise
+        cap = int(4 * HINT_HEADROOM * k) + 65536
+        positions, values = self._candidate_scratch(cap)
+        count, final_bits = native.accumulate_select_f32(
+            table.ctypes.data, len(runs),
+            residual.data_ptr() if residual is not None else 0, out.data_ptr(),
+            int(threshold_bits), bool(clear_runs),
+            positions.ctypes.data, values.ctypes.data, cap, cap // 2)
+        if count > cap:  # (a compaction found nothing to drop)
+            self._count(raises=1)
+            return _OVERFLOW
+        if final_bits != int(threshold_bits):
+            self._count(raises=1)
+        if count == 0:
+            return None, None, threshold_bits
+        # copies: the scratch is reused by this thread's next pass
+        return (positions[:count].copy(), values[:count].copy(),
+                np.uint32(final_bits))
+
+    def _candidate_scratch(self, cap):
+        """Per-thread position (int64) and value (float32) buffers of at least ``cap``."""
+        buffers = getattr(self._scratch_local, "candidates", None)
+        if buffers is None or buffers[0].size < cap:
+            buffers = self._scratch_local.candidates = (np.empty(cap, dtype=np.int64),
+                                                        np.empty(cap, dtype=np.float32))
+        return buffers
 
     def _remember(self, hint_key, k, threshold):
         """Keep ``threshold`` as the group's next threshold (a positive finite value
