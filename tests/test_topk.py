@@ -810,8 +810,9 @@ def test_the_c_pass_equals_the_chunk_loop_bit_for_bit(lengths, with_residual, cl
 
 
 def test_the_c_pass_declines_what_it_cannot_run(monkeypatch):
-    """A non-contiguous or non-float32 run, a non-contiguous residual, a threshold of 0 or
-    no extension: ``_native_pass`` returns None (the chunk loop runs) and writes nothing."""
+    """A non-contiguous or non-float32 run, a non-contiguous or non-float32 residual, a
+    residual or run that overlaps ``out``, a threshold of 0 or no extension:
+    ``_native_pass`` returns None (the chunk loop runs) and writes nothing."""
     selector = SampledTopkSelector()
     bits = np.float32(1.0).view(np.uint32)
     out = torch.full((100,), 7.0)
@@ -821,6 +822,9 @@ def test_the_c_pass_declines_what_it_cannot_run(monkeypatch):
         ([(0, 100, torch.randn(100, dtype=torch.float64))], None, bits),
         ([(0, 100, torch.randn(100))], torch.randn(200)[::2], bits),
         ([(0, 100, torch.randn(100))], None, np.uint32(0)),
+        ([(0, 100, torch.randn(100))], torch.randn(100, dtype=torch.float64), bits),
+        ([(0, 100, torch.randn(100))], out, bits),  # the residual is out itself
+        ([(0, 50, out[50:])], None, bits),  # a run inside out
     ]
     if NATIVE is not None:
         for runs, residual, threshold in cases:

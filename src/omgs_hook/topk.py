@@ -573,16 +573,23 @@ class SampledTopkSelector(TopkSelector):
         threshold left nothing to drop (the sums and the zeros are complete: the caller
         selects on ``out``). None where it cannot run: not built, a threshold of 0, or a
         run or residual that is not a contiguous float32 CPU tensor (the chunk loop
-        handles those)."""
+        handles those), or one that overlaps ``out`` (the C pass reads and writes through
+        ``restrict`` pointers)."""
         native = _native
-        if native is None or int(threshold_bits) == 0:
+        if native is None or int(threshold_bits) == 0 or not out.is_contiguous():
             return None
-        if residual is not None and not residual.is_contiguous():
+        span = _byte_span(out)
+        if residual is not None and (residual.dtype != torch.float32
+                                     or residual.device.type != "cpu"
+                                     or not residual.is_contiguous()
+                                     or residual.numel() != out.numel()
+                                     or _overlap(_byte_span(residual), span)):
             return None
         table = []
         for offset, length, grad in runs:
             if (grad.dtype != torch.float32 or grad.device.type != "cpu"
-                    or not grad.is_contiguous() or grad.numel() != length):
+                    or not grad.is_contiguous() or grad.numel() != length
+                    or (length and _overlap(_byte_span(grad), span))):
                 return None
             table += (grad.data_ptr() if length else 0, offset, length)
         table = np.array(table, dtype=np.int64)
@@ -690,6 +697,16 @@ def _next_threshold(magnitudes, k, kth, threshold):
         return float(threshold) * 0.95
     # NaN sorts last in np.partition, i.e. among the largest: the rank stays right
     return float(np.partition(magnitudes, count - rank)[count - rank])
+
+
+def _byte_span(tensor):
+    """``[first byte, end)`` of a contiguous tensor's storage in memory."""
+    start = tensor.data_ptr()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
+def _overlap(a, b):
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def _accumulate_into(runs, residual, out, foreach=None):
