@@ -22,9 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from omgs_hook import topk
 from omgs_hook.group_exchange import StepExchange
 from omgs_hook.residual_memory import ResidualMemory
 from omgs_hook.topk import get_selector
+
+NATIVE = topk._native
 
 DENSITY = 0.001
 
@@ -72,11 +75,19 @@ def _one_step(memory, selector, buckets, bucket_keys):
         raise exchange.error
 
 
+@pytest.mark.parametrize("fused_pass", ["c", "chunks"])
 @pytest.mark.parametrize("numel, num_buckets", [(1_000_000, 1), (12_000_000, 1),
                                                 (12_000_000, 40)])
-def test_sparse_group_host_work(benchmark, one_rank_group, numel, num_buckets):
+def test_sparse_group_host_work(benchmark, one_rank_group, monkeypatch, numel, num_buckets,
+                                fused_pass):
     """One bucket of four parameters, or - what an OMGS group of merged buckets looks
-    like - ``num_buckets`` buckets of one parameter each in one group (per-run work)."""
+    like - ``num_buckets`` buckets of one parameter each in one group (per-run work).
+    ``fused_pass``: the CPU's fused pass in C (``omgs_hook._native``) or the NumPy/torch
+    chunk loop, side by side in one run."""
+    if fused_pass == "c" and NATIVE is None:
+        pytest.skip("omgs_hook._native is not built here")
+    monkeypatch.setattr(topk, "_native", NATIVE if fused_pass == "c" else None)
+    benchmark.group = f"sparse group host work, {numel / 1e6:g}M in {num_buckets} bucket(s)"
     torch.set_num_threads(1)
     if num_buckets == 1:
         sizes = [[numel // 4] * 3 + [numel - 3 * (numel // 4)]]  # four parameters, one bucket
