@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from omgs_hook.group_exchange import _offset_in, _scatter_average
-from omgs_hook.residual_memory import CURRENT, ResidualMemory
+from omgs_hook.residual_memory import CURRENT, ResidualMemory, squared_norm
 
 DEV = torch.device("cpu")
 
@@ -285,6 +285,28 @@ def test_total_norm_does_not_depend_on_the_order_residuals_were_stored_in():
     first.load_state_dict({"a": big, "b": small, "c": small.clone()})
     second.load_state_dict({"b": small, "c": small.clone(), "a": big})
     assert first.total_norm() == second.total_norm() == math.sqrt(1e16 + 2)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 255, 256, 257, 4096, 3 * 256 + 5, 1_000_003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_squared_norm_is_the_sum_of_squares_to_within_1e_6(numel, dtype):
+    """``squared_norm`` (rows of 256 in fp32, summed in fp64; the tail in fp64) against
+    the fp64 sum of squares: any length (empty, shorter than a row, a partial last row),
+    any float dtype, a non-contiguous view, and entries of very different scales; the
+    same tensor gives the same bits every time."""
+    gen = torch.Generator().manual_seed(numel)
+    values = torch.randn(numel, generator=gen, dtype=torch.float64)
+    values *= torch.exp(torch.randn(numel, generator=gen, dtype=torch.float64) * 3)
+    tensor = values.to(dtype)
+    exact = float(tensor.double().pow(2).sum())
+    rel = 1e-12 if dtype == torch.float64 else 1e-6  # fp32 row norms, scales of e^+-9
+    got = squared_norm(tensor)
+    assert got.dtype == torch.float64 and got.dim() == 0
+    assert float(got) == pytest.approx(exact, rel=rel, abs=1e-300)
+    assert torch.equal(squared_norm(tensor), got)
+    strided = torch.stack([tensor, tensor], dim=1)[:, 0]  # every other element
+    assert not strided.is_contiguous() or numel <= 1
+    assert float(squared_norm(strided)) == pytest.approx(exact, rel=rel, abs=1e-300)
 
 
 @pytest.mark.parametrize("seed", range(4))

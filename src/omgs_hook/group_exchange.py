@@ -28,7 +28,7 @@ import torch
 
 from . import communicator, cost_model
 from .cost_model import selected_k
-from .residual_memory import CURRENT
+from .residual_memory import CURRENT, squared_norm
 
 
 class GroupRecord:
@@ -387,7 +387,7 @@ class StepExchange:
             payload = communicator.pack_sparse(values, indices, nonfinite=status)
             acc.index_fill_(0, indices, 0.0)  # what was sent leaves the residual
         if self.measure_health:
-            self.health[-1][1] = squared_norm(acc)
+            self.health[-1][1] = squared_norm(acc).float()
         if self.track_staleness:
             ages = self.memory.group_ages(buffers)
             ages.add_(1)
@@ -744,12 +744,6 @@ def _range(stage, group):
     if not torch.autograd._profiler_enabled():
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"omgs/{stage}[g{group}]")
-
-
-def squared_norm(tensor):
-    """``||tensor||^2`` in fp32 as a 0-d tensor: one read, no group-sized temporary
-    (``square().sum()`` allocated one: 20 ms at 12M elements on a CPU)."""
-    return torch.linalg.vector_norm(tensor, dtype=torch.float32).square()
 
 
 def _sum_of_squares(segments):

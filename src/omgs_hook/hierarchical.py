@@ -75,7 +75,8 @@ import torch.distributed as dist
 
 from . import communicator
 from .cost_model import selected_k
-from .group_exchange import _scatter_average, _sum_of_squares, squared_norm
+from .group_exchange import _scatter_average, _sum_of_squares
+from .residual_memory import squared_norm
 
 
 def shard_bounds(numel, ranks_per_node, local_rank):
@@ -247,7 +248,7 @@ def sparse_group(ex, keys, numel, record):
     for s_start, n in parked:  # ... and the parked residual is kept on top of what is left
         acc[s_start:s_start + n] += current[s_start:s_start + n]
     if ex.measure_health:
-        ex.health[-1][1] = squared_norm(acc)
+        ex.health[-1][1] = squared_norm(acc).float()
     gathered = payload.new_empty(N * payload.numel())
     inter_issued = time.perf_counter()
     work = communicator.all_gather_flat(gathered, payload, group=groups.inter, async_op=True)
