@@ -85,7 +85,7 @@ def test_sparse_group_host_work(benchmark, one_rank_group, monkeypatch, numel, n
     ``fused_pass``: the CPU's fused pass in C (``omgs_hook._native``) or the NumPy/torch
     chunk loop, side by side in one run."""
     if fused_pass == "c" and NATIVE is None:
-        pytest.skip("omgs_hook._native is not built here")
+        pytest.skip("omgs_hook._native is off: not built, or OMGS_HOOK_NATIVE=0")
     monkeypatch.setattr(topk, "_native", NATIVE if fused_pass == "c" else None)
     benchmark.group = f"sparse group host work, {numel / 1e6:g}M in {num_buckets} bucket(s)"
     torch.set_num_threads(1)

@@ -547,6 +547,7 @@ def test_bench_script_smoke(tmp_path):
 
 
 NATIVE = topk._native  # the C pass as imported (None: not built, or OMGS_HOOK_NATIVE=0)
+NATIVE_OFF = "omgs_hook._native is off: not built, or OMGS_HOOK_NATIVE=0"
 
 
 @pytest.fixture(params=["native", "chunks"])
@@ -554,7 +555,7 @@ def fused_pass(request, monkeypatch):
     """Run a test with the fused pass in C, then with the NumPy/torch chunk loop."""
     if request.param == "native":
         if NATIVE is None:
-            pytest.skip("omgs_hook._native is not built here (no C compiler at install?)")
+            pytest.skip(NATIVE_OFF)
         monkeypatch.setattr(topk, "_native", NATIVE)
     else:
         monkeypatch.setattr(topk, "_native", None)
@@ -774,7 +775,7 @@ def _pass_inputs(seed, lengths, with_residual):
     return runs, residual, numel
 
 
-@pytest.mark.skipif(NATIVE is None, reason="omgs_hook._native is not built here")
+@pytest.mark.skipif(NATIVE is None, reason=NATIVE_OFF)
 @pytest.mark.parametrize("lengths", [[1], [63], [64], [65], [1000, 0, 3, 129, 7, 70_001],
                                      [0, 5, 0], [200_003]])
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -834,7 +835,7 @@ def test_the_c_pass_declines_what_it_cannot_run(monkeypatch):
     assert selector._native_pass([(0, 100, torch.randn(100))], None, out, 3, bits, True) is None
 
 
-@pytest.mark.skipif(NATIVE is None, reason="omgs_hook._native is not built here")
+@pytest.mark.skipif(NATIVE is None, reason=NATIVE_OFF)
 def test_the_c_pass_rejects_bad_arguments():
     """The extension checks what it can: a threshold that is not a positive float32's
     pattern, negative counts, ``keep`` outside ``[1, cap)`` and null addresses raise
@@ -868,7 +869,7 @@ def test_the_c_pass_is_built_where_a_compiler_is(monkeypatch):
     assert topk._load_native() is NATIVE
 
 
-@pytest.mark.skipif(NATIVE is None, reason="omgs_hook._native is not built here")
+@pytest.mark.skipif(NATIVE is None, reason=NATIVE_OFF)
 @pytest.mark.parametrize("case", ["rising", "ascending", "ties", "few-distinct", "nan"])
 def test_the_c_pass_raises_a_threshold_far_too_low_and_stays_exact(case):
     """A threshold that lets nearly everything through (a hint from a step whose sums were
