@@ -151,7 +151,6 @@ def _swap_all(groups, shards):
         buffers.swap()
 
 
-
 # elements per row of squared_norm's partial norms
 _NORM_ROW = 256
 
@@ -176,6 +175,7 @@ def squared_norm(tensor):
     if whole < flat.numel():
         total = total + torch.linalg.vector_norm(flat[whole:], dtype=torch.float64).square()
     return total
+
 
 class _DoubleBuffer:
     """Two fp32 buffers (``self._buffers``), one holding the committed residuals
