@@ -79,7 +79,7 @@ from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, com
                            least_median_factor, slowest_rank_timeline, two_level_comm_sums)
 from .profile_file import (Profile, default_profile, load_profile, profile_bandwidth_gaps,
                            profile_mismatches)
-from .residual_memory import ResidualMemory, check_residuals
+from .residual_memory import ResidualMemory, check_residuals, squared_norm
 
 logger = logging.getLogger("omgs_hook")
 
@@ -2479,7 +2479,7 @@ class OMGSState:
         if not drop_residuals:
             self.memory.load_state_dict(residuals, self._shapes if self.module is not None else None)
         else:
-            norm = sum(float(t.double().pow(2).sum()) for t in residuals.values()) ** 0.5
+            norm = math.fsum(float(squared_norm(t)) for t in residuals.values()) ** 0.5
             logger.warning(
                 "omgs_hook: world size, topology or rank changed (%s, %s, rank %s -> %s, "
                 "%s, rank %s): dropping residuals (L2 norm %.4g)", sd.get("world_size"),
