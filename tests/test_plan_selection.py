@@ -14,7 +14,9 @@ from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit
 from omgs_hook.plan_selection import (
     CONFIRM_STEPS, MAX_CANDIDATES, MAX_CONFIRM, MAX_REMEASURE, MAX_RETAKES, MEASURE_STEPS,
     SCREEN_PASSES, SETTLE_STEPS, SPELL_FACTOR,
-    Candidate, Correction, Trial, dedupe, fit_correction, model_candidates, neighbour_plans,
+    MAX_FEWER_GROUPS,
+    Candidate, Correction, Trial, dedupe, fewer_group_plans, fit_correction, model_candidates,
+    neighbour_plans,
     plan_features, summary_of, trial_steps_bound,
 )
 
@@ -244,6 +246,106 @@ def test_neighbour_plans_are_the_best_merge_and_the_best_split():
             assert got[f"{g + 1}-groups"].predicted_iteration_s == min(map(time, splits))
         else:
             assert f"{g + 1}-groups" not in got
+
+
+def many_groups_instance(units, seed):
+    """A sparse instance whose optimum has many groups: long backward per unit, cheap
+    start-up, so a group's exchange hides behind the next units' backward."""
+    rng = random.Random(seed)
+    layers = tuple(Unit(numel=rng.choice([20000, 50000, 200000]),
+                        backward_s=0.004 * rng.uniform(0.5, 2)) for _ in range(units))
+    return Instance(layers=layers, world_size=8, density=0.01, forward_s=0.01,
+                    comm=LinearCost(alpha_s=0.001, beta_s_per_byte=2e-6),
+                    topk=TopkCost(c0=2e-4, c1=2e-9, c2=0.0), tail_s=0.001)
+
+
+def _compositions(units):
+    """Every plan of contiguous groups over ``units`` units."""
+    for cuts in itertools.product([False, True], repeat=units - 1):
+        groups, start = [], 0
+        for u, cut in enumerate(cuts, start=1):
+            if cut:
+                groups.append(tuple(range(start, u)))
+                start = u
+        groups.append(tuple(range(start, units)))
+        yield tuple(groups)
+
+
+@pytest.mark.parametrize("units,seed", [(10, 0), (10, 1), (10, 2), (12, 1), (40, 3)])
+def test_fewer_group_plans_follow_the_chain_of_best_merges(units, seed):
+    # walked plan by plan: from the optimum, merge the two neighbouring groups whose
+    # merge the model prices fastest (the earliest on a tie), down to the target counts
+    inst = many_groups_instance(units, seed)
+    opt = planner.make_plan(inst, "optimal")
+    got = fewer_group_plans(inst, opt)
+    g = len(opt.groups)
+    assert g >= 4 and got  # (these instances are meant to need it)
+    targets = sorted({round(1 + (g - 2) / 3), round(1 + 2 * (g - 2) / 3)} & set(range(2, g - 1)),
+                     reverse=True)
+    expected, groups = [], list(opt.groups)
+    while len(groups) > min(targets):
+        options = [groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2:]
+                   for i in range(len(groups) - 1)]
+        times = [planner.evaluate(inst, o, [False] * len(o)).predicted_iteration_s
+                 for o in options]
+        least = min(times)
+        groups = options[next(i for i, t in enumerate(times) if t <= least * (1 + 1e-9))]
+        if len(groups) in targets:
+            expected.append(tuple(tuple(x) for x in groups))
+    assert [tuple(p.groups) for _, p in got] == expected
+    assert [len(p.groups) for _, p in got] == targets  # coarsest last
+    assert len(got) <= MAX_FEWER_GROUPS
+    for name, plan in got:
+        k = len(plan.groups)
+        assert name == f"{k}-groups" and not any(plan.dense)
+        assert plan.predicted_iteration_s == pytest.approx(
+            planner.evaluate(inst, plan.groups, [False] * k).predicted_iteration_s, rel=1e-12)
+
+
+def test_fewer_group_plans_only_where_the_optimum_leaves_a_gap():
+    inst = many_groups_instance(10, 0)
+    for groups in [((0, 1, 2, 3, 4, 5, 6, 7, 8, 9),), ((0, 1, 2, 3, 4), (5, 6, 7, 8, 9)),
+                   ((0, 1, 2), (3, 4, 5), (6, 7, 8, 9))]:
+        plan = planner.evaluate(inst, groups, [False] * len(groups))
+        assert fewer_group_plans(inst, plan) == []
+
+
+@pytest.mark.parametrize("g,counts", [(4, [2]), (5, [3, 2]), (6, [4, 2]), (7, [4, 3]),
+                                      (8, [5, 3]), (20, [13, 7])])
+def test_fewer_group_plans_spread_over_the_gap(g, counts):
+    inst = many_groups_instance(24, 0)
+    groups = [tuple(range(i * 24 // g, (i + 1) * 24 // g)) for i in range(g)]
+    plan = planner.evaluate(inst, groups, [False] * g)
+    assert [len(p.groups) for _, p in fewer_group_plans(inst, plan)] == counts
+
+
+def test_the_trial_set_holds_the_coarser_plans_between_the_merge_and_the_split():
+    inst = many_groups_instance(10, 2)
+    got = model_candidates(inst, "optimal", prune_factor=math.inf, limit=20)
+    names = [c.name for c in got]
+    opt = planner.make_plan(inst, "optimal")
+    g = len(opt.groups)
+    fewer = [name for name, _ in fewer_group_plans(inst, opt)]
+    assert len(fewer) == 2
+    at = names.index(f"{g - 1}-groups")
+    assert names[at:] == [f"{g - 1}-groups"] + fewer + [f"{g + 1}-groups"]
+    # within the usual limit the split gives way first
+    limited = [c.name for c in model_candidates(inst, "optimal", prune_factor=math.inf)]
+    assert limited == names[:MAX_CANDIDATES] and f"{g + 1}-groups" not in limited
+
+
+def test_a_cost_per_group_the_model_misses_makes_a_coarser_plan_win():
+    # the fake clock: every sparse group costs 10% of the step more than the model says;
+    # the model's optimum and its neighbours lose to a coarser plan the set now holds
+    inst = many_groups_instance(10, 1)
+    candidates = model_candidates(inst, "optimal")
+    step = planner.make_plan(inst, "optimal").predicted_iteration_s
+    times = [c.predicted_s + 0.1 * step * len(c.groups) for c in candidates]
+    winner, _ = decide(Trial(candidates, 0), [times, times])
+    assert winner == min(range(len(times)), key=times.__getitem__)
+    assert len(candidates[winner].groups) < len(candidates[0].groups) - 1
+    assert candidates[winner].name in [name for name, _ in fewer_group_plans(
+        inst, planner.make_plan(inst, "optimal"))]
 
 
 # ----------------------------------------------------------------------------- schedule

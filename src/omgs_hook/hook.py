@@ -363,7 +363,8 @@ class OMGSState:
             model-based plan, a bounded trial times a few candidate plans for real (the
             model's choice, the optimum without dense groups, all-dense (DDP's own
             all-reduce per bucket, with ``allow_dense``), ``single``, ``layerwise``,
-            ``greedy``, the model's best plans one group fewer and one more; with
+            ``greedy``, the model's best plans one group fewer and one more, and up to
+            two coarser ones between ``single`` and the optimum's groups; with
             ``topology="auto"`` on a two-level cluster also ``flat:optimal`` and
             ``flat:single`` on the flat exchange; duplicates
             and plans the model predicts over 1.5x its best are left out) and keeps the
