@@ -9,8 +9,8 @@ import statistics
 import numpy as np
 import pytest
 
-from omgs_hook import planner
-from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit
+from omgs_hook import plan_selection, planner
+from omgs_hook.cost_model import Instance, LinearCost, TopkCost, Unit, hierarchical_instance
 from omgs_hook.plan_selection import (
     CONFIRM_STEPS, MAX_CANDIDATES, MAX_CONFIRM, MAX_REMEASURE, MAX_RETAKES, MEASURE_STEPS,
     SCREEN_PASSES, SETTLE_STEPS, SPELL_FACTOR,
@@ -271,11 +271,20 @@ def _compositions(units):
         yield tuple(groups)
 
 
-@pytest.mark.parametrize("units,seed", [(10, 0), (10, 1), (10, 2), (12, 1), (40, 3)])
-def test_fewer_group_plans_follow_the_chain_of_best_merges(units, seed):
+def two_level(inst):
+    return hierarchical_instance(inst, 2, LinearCost(alpha_s=1e-4, beta_s_per_byte=1e-9),
+                                 inst.comm)
+
+
+@pytest.mark.parametrize("units,seed,hierarchical", [
+    (10, 0, False), (10, 1, False), (10, 2, False), (12, 1, False), (40, 3, False),
+    (16, 4, True), (24, 0, True)])
+def test_fewer_group_plans_follow_the_chain_of_best_merges(units, seed, hierarchical):
     # walked plan by plan: from the optimum, merge the two neighbouring groups whose
     # merge the model prices fastest (the earliest on a tie), down to the target counts
+    # (a two-level instance: every merge walked by fewer_group_plans as well)
     inst = many_groups_instance(units, seed)
+    inst = two_level(inst) if hierarchical else inst
     opt = planner.make_plan(inst, "optimal")
     got = fewer_group_plans(inst, opt)
     g = len(opt.groups)
@@ -300,6 +309,25 @@ def test_fewer_group_plans_follow_the_chain_of_best_merges(units, seed):
         assert name == f"{k}-groups" and not any(plan.dense)
         assert plan.predicted_iteration_s == pytest.approx(
             planner.evaluate(inst, plan.groups, [False] * k).predicted_iteration_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("hierarchical,budget,counts", [
+    (False, 3, [5]), (False, 5, [5, 3]), (True, 17, []), (True, 20, [5]), (True, 25, [5, 3])])
+def test_the_chain_of_merges_stays_within_its_walks(monkeypatch, hierarchical, budget, counts):
+    # 8 groups, targets 5 and 3: three and five merges; priced at once each merge walks
+    # one plan, on a two-level instance every merge of the plan (7 + 6 + 5, then 4 + 3)
+    inst = many_groups_instance(24, 0)
+    inst = two_level(inst) if hierarchical else inst
+    groups = [tuple(range(3 * i, 3 * i + 3)) for i in range(8)]
+    plan = planner.evaluate(inst, groups, [False] * 8)
+    monkeypatch.setattr(plan_selection, "MAX_CHAIN_WALKS", budget)
+    walked = []
+    real = planner.evaluate
+    monkeypatch.setattr(plan_selection.planner_mod, "evaluate",
+                        lambda *a, **k: walked.append(1) or real(*a, **k))
+    got = fewer_group_plans(inst, plan)
+    assert [len(p.groups) for _, p in got] == counts
+    assert len(walked) <= budget
 
 
 def test_fewer_group_plans_only_where_the_optimum_leaves_a_gap():

@@ -204,6 +204,10 @@ NEIGHBOUR_TIE = 1e-9
 
 #: at most this many coarser plans (:func:`fewer_group_plans`) in a trial
 MAX_FEWER_GROUPS = 2
+#: the chain of merges that makes them walks at most this many plans through
+#: ``evaluate`` (one per merge where merges are priced at once, every merge of the plan
+#: otherwise): about 0.15 s at 1000 units; a coarser plan beyond it is not offered
+MAX_CHAIN_WALKS = 200
 
 
 def fewer_group_plans(inst: Instance, sparse_opt) -> List[Tuple[str, object]]:
@@ -223,22 +227,36 @@ def fewer_group_plans(inst: Instance, sparse_opt) -> List[Tuple[str, object]]:
     model prices fastest (the merge of :func:`neighbour_plans`), again and again; keep
     the plans at ``round(1 + j (G - 2) / 3)`` groups for ``j = 2, 1`` (distinct counts in
     ``[2, G - 2]``). Each merge is priced with numpy at once, so the chain costs about
-    ``G`` vectorised passes, not a search. (A penalty per group in the planner does not
-    serve: top-k's fixed cost lengthens only the compute chain, which the network can
-    hide, and raising it made the 1000-unit optimum *finer*.)"""
+    ``G`` vectorised passes, not a search; where they cannot be (a two-level instance)
+    every merge is walked, and ``MAX_CHAIN_WALKS`` bounds the chain (a count beyond it
+    is not offered). (A penalty per group in the planner does not serve: top-k's fixed
+    cost lengthens only the compute chain, which the network can hide, and raising it
+    made the 1000-unit optimum *finer*.)"""
     count = len(sparse_opt.groups)
     targets = sorted({round(1 + j * (count - 2) / (MAX_FEWER_GROUPS + 1))
                       for j in range(1, MAX_FEWER_GROUPS + 1)} & set(range(2, count - 1)),
                      reverse=True)
     out = []
     groups = [tuple(g) for g in sparse_opt.groups]
+    priced = _priced_at_once(inst)
+    walks = 0
     while targets:
+        walks += 1 if priced else len(groups) - 1
+        if walks > MAX_CHAIN_WALKS:
+            break
         (_, plan), = neighbour_plans(inst, groups, more=False)
         groups = [tuple(g) for g in plan.groups]
         if len(groups) == targets[0]:
             out.append((plan.strategy, plan))
             targets.pop(0)
     return out
+
+
+def _priced_at_once(inst: Instance):
+    """Whether :func:`_neighbour_times` can price ``inst``'s plans (flat, and no sparse
+    group the index range could cut)."""
+    total = sum(u.numel for u in inst.layers)
+    return inst.hierarchy is None and total <= cost_model.MAX_SPARSE_GROUP_NUMEL
 
 
 def _neighbour_times(inst: Instance, groups):
@@ -248,8 +266,7 @@ def _neighbour_times(inst: Instance, groups):
     range could cut). A plan is a prefix state ``(c, e)`` before the changed groups, the
     changed groups, and the unchanged suffix as ``(Ys, G)``: its end is
     ``max(e + Ys, c + G)`` (docs/cost-model.md, the flow-shop identity)."""
-    total = sum(u.numel for u in inst.layers)
-    if inst.hierarchy is not None or total > cost_model.MAX_SPARSE_GROUP_NUMEL:
+    if not _priced_at_once(inst):
         return None
     prefix = planner_mod._prefix_sums(inst)
     ends = np.cumsum([len(g) for g in groups])
