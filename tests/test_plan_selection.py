@@ -259,18 +259,6 @@ def many_groups_instance(units, seed):
                     topk=TopkCost(c0=2e-4, c1=2e-9, c2=0.0), tail_s=0.001)
 
 
-def _compositions(units):
-    """Every plan of contiguous groups over ``units`` units."""
-    for cuts in itertools.product([False, True], repeat=units - 1):
-        groups, start = [], 0
-        for u, cut in enumerate(cuts, start=1):
-            if cut:
-                groups.append(tuple(range(start, u)))
-                start = u
-        groups.append(tuple(range(start, units)))
-        yield tuple(groups)
-
-
 def two_level(inst):
     return hierarchical_instance(inst, 2, LinearCost(alpha_s=1e-4, beta_s_per_byte=1e-9),
                                  inst.comm)

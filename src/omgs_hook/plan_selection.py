@@ -191,7 +191,7 @@ def neighbour_plans(inst: Instance, groups, more=True) -> List[Tuple[str, object
         first = int(np.flatnonzero(times <= floor + NEIGHBOUR_TIE * abs(floor))[0])
         out.append((label, plans[first] if plans is not None else walk(option(first), label)))
 
-    priced = _neighbour_times(inst, groups) or (None, None)
+    priced = _neighbour_times(inst, groups, splits=more) or (None, None)
     best_of(len(groups) - 1, merged, priced[0], f"{len(groups) - 1}-groups")
     if more:
         best_of(len(splits), split, priced[1], f"{len(groups) + 1}-groups")
@@ -259,9 +259,10 @@ def _priced_at_once(inst: Instance):
     return inst.hierarchy is None and total <= cost_model.MAX_SPARSE_GROUP_NUMEL
 
 
-def _neighbour_times(inst: Instance, groups):
+def _neighbour_times(inst: Instance, groups, splits=True):
     """``(merge times, split times)``: each merge's and each split's (in
-    :func:`neighbour_plans`' order) final network time, all sparse, with numpy; or None
+    :func:`neighbour_plans`' order) final network time, all sparse, with numpy (split
+    times None without ``splits``: the L - g splits are most of the work); or None
     where the plain walk must price them (a two-level instance; a sparse group the index
     range could cut). A plan is a prefix state ``(c, e)`` before the changed groups, the
     changed groups, and the unchanged suffix as ``(Ys, G)``: its end is
@@ -288,6 +289,8 @@ def _neighbour_times(inst: Instance, groups):
     c = c_before[i] + mx
     e = np.maximum(e_before[i], c) + my
     merge_times = np.maximum(e + ys[i + 2], c + g[i + 2])
+    if not splits:
+        return merge_times, None
     # split of group i before unit p
     i = np.repeat(np.arange(m), ends - starts - 1)
     p = np.concatenate([np.arange(a + 1, b) for a, b in zip(starts.tolist(), ends.tolist())]
