@@ -52,8 +52,14 @@ SCREEN_PASSES = 2
 #: the same start-up (the steps right after the dense warm-up ran 20-40% slow on the
 #: shaped cluster, falling off over about ten steps) hit whichever candidates ran first
 FIRST_TRIAL_LEAD_STEPS = 6
-#: counted steps per candidate in the confirm and tie-break rounds (the contenders)
+#: counted steps per candidate in the confirm round (and in a retake)
 CONFIRM_STEPS = 3
+#: counted steps per turn in the tie-break round; each contender runs two turns there, in
+#: mirrored order (a b c c b a), so a drift that is linear over the round costs every
+#: contender alike
+TIEBREAK_STEPS = 2
+#: turns per contender in the tie-break round
+TIEBREAK_TURNS = 2
 #: after screening, candidates within this fraction of the best are measured again
 #: (screening has 2 samples each, and a plan's step time moves by 10-25% under load)
 CONFIRM_WINDOW = 0.3
@@ -62,11 +68,18 @@ MAX_CONFIRM = 3
 #: at most this many candidates in a full trial
 MAX_CANDIDATES = 7
 #: after confirming, contenders closer than max(NEAR_TIE, NOISE_TIE * noise) to the best
-#: (noise: the samples' median relative deviation) are measured once more
-NEAR_TIE = 0.02
+#: are measured once more. noise: the larger of the confirm samples' median relative
+#: deviation and the screen's turn-to-turn noise (how far one candidate's second screen
+#: turn moved against its first, beyond what every candidate moved). A trial reading
+#: sits 4-9% (quartiles) above the same plan's timed median on the shaped cluster, and
+#: consecutive steps of one turn share their load, so the spread within a turn
+#: understated the noise between turns: at N = 8, d = 0.001 it read 0.8% while `single`
+#: and the 3-group winner, 1.6% apart in the trial, ran 7% apart the other way
+NEAR_TIE = 0.03
 NOISE_TIE = 1.5
-#: at most this many contenders (the best included) take part in the tie-break round
-MAX_REMEASURE = 2
+#: at most this many contenders (the best included) take part in the tie-break round:
+#: every confirmed one (the third of a near tie was left out when only two were)
+MAX_REMEASURE = 3
 #: later trials (a periodic re-plan whose model plan changed) start only while all of
 #: them together stay within this share of the steps run so far
 RETRIAL_SHARE = 0.03
@@ -85,7 +98,8 @@ MAX_RETAKES = 2
 def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS,
                       confirm=CONFIRM_STEPS, max_confirm=MAX_CONFIRM,
                       max_remeasure=MAX_REMEASURE, max_retakes=MAX_RETAKES,
-                      screen_passes=SCREEN_PASSES, lead=0):
+                      screen_passes=SCREEN_PASSES, lead=0, tiebreak=TIEBREAK_STEPS,
+                      tiebreak_turns=TIEBREAK_TURNS):
     """Most steps a trial of ``num_candidates`` can run (its lead, all three rounds, and
     the retakes of disturbed candidates)."""
     n = int(num_candidates)
@@ -95,7 +109,8 @@ def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS
         contenders = min(max_confirm, n)
         steps += contenders * (settle + confirm)
         if contenders > 1:
-            steps += min(max_remeasure, contenders) * (settle + confirm)
+            steps += (min(max_remeasure, contenders) * int(tiebreak_turns)
+                      * (settle + tiebreak))
         # (a single candidate wins whatever its samples read: never retaken)
         steps += int(max_retakes) * (settle + confirm)
     return steps + int(lead)
@@ -430,19 +445,23 @@ class Trial:
     2. *confirm*: the candidates within ``confirm_window`` of the screen's best (at most
        ``max_confirm``, best first), in reverse index order, ``confirm`` counted steps;
     3. *tie-break*: the confirmed candidates within ``max(near_tie, noise_tie * noise)``
-       of the best (at most ``max_remeasure``), in index order again, ``confirm`` steps.
-       ``noise`` is the median relative deviation of the contenders' samples, so a
-       difference the measurements cannot resolve is measured once more.
+       of the best (at most ``max_remeasure``), ``tiebreak_turns`` turns each in mirrored
+       order (index order, then reverse: ``a b c c b a``), ``tiebreak`` counted steps per
+       turn. ``noise`` is the larger of the median relative deviation of the confirm
+       round's samples and the screen's turn-to-turn noise (:meth:`turn_noise`), so a
+       difference the measurements cannot resolve is measured again.
 
     Reversing the order from round to round makes a slow drift of the machine (load
     that comes and goes) hit the contenders alike, instead of favouring whichever ran
     last. A round with a single candidate is skipped: it is the winner. The winner is
     the lowest median over all of a candidate's samples among the last round's
     members; ties go to the lower index (the model's choice first). A candidate's time
-    is the geometric mean over the rounds it ran in of its median in that round: every
-    contender of a round ran in all the earlier rounds, so they are compared over the
-    same rounds, and a drift that favours late positions in one round favours early
-    ones in the next.
+    is the geometric mean over the rounds it ran in of its median in that round,
+    weighted by its turns there (2 in the screen, 1 in the confirm round, 2 in the
+    tie-break): a turn's steps share their load, so turns, not steps, are the
+    independent readings. Every contender of a round ran in all the earlier rounds, so
+    they are compared over the same rounds, and a drift that favours late positions in
+    one round favours early ones in the next.
 
     *Load spells.* A step that something else slowed down (another job on the cores, a
     GC pause) says nothing about the plan. With each step the hook records a *load
@@ -475,11 +494,15 @@ class Trial:
                  confirm: int = CONFIRM_STEPS, confirm_window: float = CONFIRM_WINDOW,
                  max_confirm: int = MAX_CONFIRM, noise_tie: float = NOISE_TIE,
                  spell_factor: Optional[float] = None, max_retakes: int = MAX_RETAKES,
-                 screen_passes: int = SCREEN_PASSES, lead: int = 0):
+                 screen_passes: int = SCREEN_PASSES, lead: int = 0,
+                 tiebreak: int = TIEBREAK_STEPS, tiebreak_turns: int = TIEBREAK_TURNS):
         if len(candidates) < 1:
             raise ValueError("a trial needs at least one candidate")
-        if settle < 0 or measure < 1 or confirm < 1:
-            raise ValueError("settle must be >= 0, measure and confirm >= 1")
+        if settle < 0 or measure < 1 or confirm < 1 or tiebreak < 1:
+            raise ValueError("settle must be >= 0, measure, confirm and tiebreak >= 1")
+        if isinstance(tiebreak_turns, bool) or not isinstance(tiebreak_turns, int) \
+                or tiebreak_turns < 1:
+            raise ValueError(f"tiebreak_turns must be an int >= 1, got {tiebreak_turns!r}")
         if confirm_window < 0 or near_tie < 0 or noise_tie < 0 or max_confirm < 1 \
                 or max_remeasure < 1:
             raise ValueError("windows must be >= 0, max_confirm and max_remeasure >= 1")
@@ -497,6 +520,8 @@ class Trial:
         self.settle = int(settle)
         self.measure = int(measure)
         self.confirm = int(confirm)
+        self.tiebreak = int(tiebreak)
+        self.tiebreak_turns = int(tiebreak_turns)
         self.confirm_window = float(confirm_window)
         self.max_confirm = int(max_confirm)
         self.near_tie = float(near_tie)
@@ -538,8 +563,10 @@ class Trial:
 
     @property
     def counted(self):
-        """Counted steps per candidate in the current round."""
-        return self.measure if self.round_kinds[-1] == SCREEN else self.confirm
+        """Counted steps per turn in the current round."""
+        kind = self.round_kinds[-1]
+        return (self.measure if kind == SCREEN else self.tiebreak if kind == TIEBREAK
+                else self.confirm)
 
     @property
     def per_candidate(self):
@@ -554,7 +581,8 @@ class Trial:
         """Upper bound of the steps this trial runs (all rounds)."""
         return trial_steps_bound(len(self.candidates), self.settle, self.measure,
                                  self.confirm, self.max_confirm, self.max_remeasure,
-                                 self.max_retakes, self.screen_passes, self.lead)
+                                 self.max_retakes, self.screen_passes, self.lead,
+                                 self.tiebreak, self.tiebreak_turns)
 
     def _slot(self, step):
         """(position in the current round, counted index or None) of ``step``, or None."""
@@ -593,16 +621,49 @@ class Trial:
         return [x for row in self.local for x in row] + [x for row in self.local_probe for x in row]
 
     # -- decision ---------------------------------------------------------------------
+    def _decided_rounds(self):
+        """(turns, samples) of every finished round but the retakes (whose samples stand
+        in for those of the round before them)."""
+        turns = [t for t, k in zip(self.rounds, self.round_kinds) if k != RETAKE]
+        return list(zip(turns, self.round_samples))
+
     def measured_s(self, index) -> float:
-        """Geometric mean over the rounds ``index`` ran in of its median there (inf when
-        a round has no sample of it, or it never ran)."""
-        medians = [_median(r[index]) for r in self.round_samples if index in r]
-        if not medians or any(not (0 < m < math.inf) for m in medians):
+        """Geometric mean over the rounds ``index`` ran in of its median there, weighted
+        by its turns in the round (inf when a round has no sample of it, or it never
+        ran)."""
+        parts = [(_median(samples[index]), turns.count(index))
+                 for turns, samples in self._decided_rounds() if index in samples]
+        if not parts or any(not (0 < m < math.inf) for m, _ in parts):
             return math.inf
-        return math.exp(statistics.fmean(math.log(m) for m in medians))
+        weight = sum(w for _, w in parts)
+        return math.exp(sum(w * math.log(m) for m, w in parts) / weight)
+
+    def turn_noise(self):
+        """The screen's turn-to-turn noise: per candidate with two known screen turns,
+        the log ratio of its second turn's median to its first; their median absolute
+        deviation from the median ratio (what every candidate moved alike, a drift, is
+        not noise). None with fewer than 3 such candidates or one screen pass."""
+        if not self.round_samples or self.screen_passes < 2:
+            return None
+        moves = []
+        for samples in self.round_samples[0].values():
+            if len(samples) != self.screen_passes * self.measure:
+                continue  # (retaken: its samples are one turn of another length)
+            turns = [_median(samples[t * self.measure:(t + 1) * self.measure])
+                     for t in range(2)]
+            if all(0 < m < math.inf for m in turns):
+                moves.append(math.log(turns[1] / turns[0]))
+        if len(moves) < 3:
+            return None
+        centre = statistics.median(moves)
+        return statistics.median(abs(m - centre) for m in moves)
 
     def _next_round(self, kind, members, step):
-        self.rounds.append(list(members))
+        members = list(members)
+        if kind == TIEBREAK:  # mirrored turns: a b c c b a
+            members = [i for t in range(self.tiebreak_turns)
+                       for i in (members if t % 2 == 0 else members[::-1])]
+        self.rounds.append(members)
         self.round_kinds.append(kind)
         self.round_start = int(step)
         self.local = self._empty_local()
@@ -697,7 +758,9 @@ class Trial:
             else:
                 spreads = [x for x in (_relative_spread(this_round[i]) for i in members)
                            if x is not None]
-                self.noise = statistics.median(spreads) if spreads else None
+                noises = [x for x in (statistics.median(spreads) if spreads else None,
+                                      self.turn_noise()) if x is not None]
+                self.noise = max(noises) if noises else None
                 tie = max(self.near_tie, self.noise_tie * (self.noise or 0.0))
                 tied = [i for i in ranked if times[i] <= times[best] * (1.0 + tie)]
                 tied = tied[:self.max_remeasure]
@@ -712,6 +775,46 @@ class Trial:
         members = [i for r, k in zip(self.rounds, self.round_kinds) if k == kind for i in r]
         return list(dict.fromkeys(members))  # (the screen's turns repeat candidates)
 
+    def steps_run(self):
+        """Per candidate, the steps it ran so far in this trial (lead, settle and counted
+        steps of every finished round)."""
+        out = [0] * len(self.candidates)
+        out[self.rounds[0][0]] += self.lead
+        finished = len(self.rounds) if self.done else len(self.rounds) - 1
+        for turns, kind in zip(self.rounds[:finished], self.round_kinds[:finished]):
+            counted = (self.measure if kind == SCREEN else self.tiebreak if kind == TIEBREAK
+                       else self.confirm)
+            for i in turns:
+                out[i] += self.settle + counted
+        return out
+
+    def excess_steps(self) -> Optional[float]:
+        """What the trial cost against running its winner throughout, in steps of the
+        winner: the sum over candidates of steps run times (measured / winner's - 1).
+        Candidates never measured count as the winner's pace. None until decided."""
+        if not self.done:
+            return None
+        best = self.measured_s(self.winner)
+        if not 0 < best < math.inf:
+            return None
+        total = 0.0
+        for i, steps in enumerate(self.steps_run()):
+            measured = self.measured_s(i)
+            if measured < math.inf:
+                total += steps * (measured / best - 1.0)
+        return total
+
+    def round_medians(self, index):
+        """``[kind, median seconds or None]`` of ``index`` in each finished round it ran
+        in (retakes folded into the round they stand in for)."""
+        kinds = [k for k in self.round_kinds if k != RETAKE]
+        out = []
+        for kind, samples in zip(kinds, self.round_samples):
+            if index in samples:
+                m = _median(samples[index])
+                out.append([kind, None if math.isinf(m) else m])
+        return out
+
     def report(self):
         """Every candidate with its prediction and measurement, and the winner."""
         out = []
@@ -723,6 +826,7 @@ class Trial:
                         "measured_s": None if math.isinf(measured) else measured,
                         "samples": sum(1 for x in self.samples[i] if not math.isnan(x)),
                         "disturbed": self.disturbed[i],
+                        "rounds": self.round_medians(i),
                         "winner": i == self.winner})
         return {"reason": self.reason, "start_step": self.start_step, "lead": self.lead,
                 "decided_at": self.decided_at,
@@ -730,7 +834,8 @@ class Trial:
                 "confirmed": [self.candidates[i].name for i in self._members(CONFIRM)],
                 "remeasured": [self.candidates[i].name for i in self._members(TIEBREAK)],
                 "retaken": [self.candidates[i].name for i in self._members(RETAKE)],
-                "noise": self.noise,
+                "noise": self.noise, "turn_noise": self.turn_noise(),
+                "steps": sum(self.steps_run()), "excess_steps": self.excess_steps(),
                 "candidates": out}
 
     def summary(self):
@@ -743,6 +848,7 @@ class Trial:
                 "settle": self.settle, "measure": self.measure, "confirm": self.confirm,
                 "confirm_window": self.confirm_window, "max_confirm": self.max_confirm,
                 "near_tie": self.near_tie, "noise_tie": self.noise_tie,
+                "tiebreak": self.tiebreak, "tiebreak_turns": self.tiebreak_turns,
                 "max_remeasure": self.max_remeasure, "start_step": self.start_step,
                 "spell_factor": self.spell_factor, "max_retakes": self.max_retakes,
                 "screen_passes": self.screen_passes, "lead": self.lead,
@@ -762,11 +868,16 @@ class Trial:
         # a state saved before the confirm round existed: its second round was the
         # tie-break, measured with the screen's step count
         legacy = "round_kinds" not in sd
+        confirm = int(sd.get("confirm", sd["measure"]))
         trial = cls([Candidate.from_dict(c) for c in sd["candidates"]], int(sd["start_step"]),
                     reason=sd.get("reason", "model"), settle=int(sd["settle"]),
                     measure=int(sd["measure"]), near_tie=float(sd["near_tie"]),
                     max_remeasure=int(sd["max_remeasure"]),
-                    confirm=int(sd.get("confirm", sd["measure"])),
+                    confirm=confirm,
+                    # a state saved before the mirrored tie-break: one turn of the
+                    # confirm round's length
+                    tiebreak=int(sd.get("tiebreak", confirm)),
+                    tiebreak_turns=int(sd.get("tiebreak_turns", 1)),
                     confirm_window=float(sd.get("confirm_window", CONFIRM_WINDOW)),
                     max_confirm=int(sd.get("max_confirm", MAX_CONFIRM)),
                     noise_tie=float(sd.get("noise_tie", NOISE_TIE)),
