@@ -1454,9 +1454,14 @@ def trial_line(hook):
         text = (f"{c.get('name')} ({len(groups)} groups{f', {dense} dense' if dense else ''}) "
                 f"{_ms(predicted)}/{_ms(measured)}")
         parts.append(f"**{text}**" if c.get("winner") else text)
+    cost = ""
+    if trial.get("excess_steps") is not None:  # (reported since ac11f8f)
+        cost = (f" The trial ran {trial.get('steps')} steps, lead included; against running "
+                f"its winner throughout they cost {trial['excess_steps']:.1f} steps of the "
+                f"winner (`excess_steps`).")
     return (f"Default's selection trial (steps {trial.get('start_step')}-"
             f"{trial.get('decided_at')}, predicted/measured ms per step, winner in bold): "
-            + ", ".join(parts) + ".")
+            + ", ".join(parts) + "." + cost)
 
 
 def render_default_targets(results):

@@ -175,7 +175,15 @@ def test_render_reports_the_defaults_targets_and_errors_per_strategy():
     assert "omgs_hook default: 2 groups of [3, 2] [select=measured, allow_dense=True, 30 " \
            "untimed warm-up steps, 2 plan(s) in its history]" in text
     assert "Default's selection trial (steps 5-21, predicted/measured ms per step, winner in " \
-           "bold): model (2 groups, 1 dense) 400/610, **single (1 groups) 450/500**." in text
+           "bold): model (2 groups, 1 dense) 400/610, **single (1 groups) 450/500**.\n" in text
+    # a trial that reports its steps and what they cost against its winner
+    r = _with_default()
+    r["variants"]["default"]["hook"]["selection"]["last_trial"].update(
+        steps=22, excess_steps=1.234)
+    r["analysis"] = bench.analyse(r)
+    assert ("**single (1 groups) 450/500**. The trial ran 22 steps, lead included; against "
+            "running its winner throughout they cost 1.2 steps of the winner "
+            "(`excess_steps`).") in bench.render_tables([r], "benchmarks.png")
 
 
 def test_quick_runs_on_a_faster_link_unless_a_rate_is_given():

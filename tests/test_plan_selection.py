@@ -851,7 +851,21 @@ def test_state_dict_round_trip_mid_trial_continues_identically():
         assert outcomes[0] == outcomes[1]
         if reference.done:
             break
-    assert reference.done
+    assert reference.done and reference.round_kinds[-1] == "tiebreak"
+    assert reference.rounds[-1] == [0, 1, 1, 0]
+
+
+def test_the_trial_reports_its_steps_and_what_they_cost_against_the_winner():
+    trial = Trial(three(), 0, lead=6)
+    assert trial.excess_steps() is None and trial.steps_run() == [6, 0, 0]
+    winner, end = decide(trial, [[1.0, 1.1, 2.0]])
+    assert winner == 0 and trial.round_kinds == ["screen", "confirm"]
+    # screen: 2 turns of 2 steps each; the confirm round: "model" and "sparse" (within
+    # 30%), 4 steps each; the lead ran the model's choice
+    assert trial.steps_run() == [6 + 4 + 4, 4 + 4, 4] and sum(trial.steps_run()) == end
+    assert trial.excess_steps() == pytest.approx(8 * 0.1 + 4 * 1.0)
+    report = trial.report()
+    assert report["steps"] == end and report["excess_steps"] == pytest.approx(4.8)
 
 
 def test_a_trial_saved_by_the_two_round_version_finishes_its_tie_break():
@@ -994,6 +1008,28 @@ def test_fit_correction_keeps_the_candidate_nearest_its_reference_as_the_typical
         Correction.from_dict(dict(saved, ref_plan=[[[0]], [False], "ring"]))
     # no group term: no typical plan either
     assert fit_correction(candidates[:2], numels).ref_plan is None
+
+
+def test_fit_correction_is_centred_on_the_trials_winner():
+    """With a winner among the measured candidates (a finished trial's report) the term
+    is centred on it: the plan the hook runs next keeps the model's own prediction, and
+    the slope prices the others against it. Every fitted term is unchanged."""
+    numels, plans, candidates = eight_rank_trial()
+    plain = fit_correction(candidates, numels)
+    for index in range(len(candidates)):
+        flagged = [dict(c, winner=(i == index)) for i, c in enumerate(candidates)]
+        got = fit_correction(flagged, numels)
+        winner = candidates[index]
+        assert got.sparse_groups_ref == sum(1 for d in winner["dense"] if not d)
+        assert got.ref_plan == (tuple(tuple(g) for g in winner["groups"]),
+                                tuple(winner["dense"]), None)
+        assert (got.constant_s, got.dense_s_per_element, got.sparse_group_s) == (
+            plain.constant_s, plain.dense_s_per_element, plain.sparse_group_s)
+    # an unmeasured winner (it cannot be: a winner has samples) is not a point: the median
+    flagged = [dict(c, winner=(i == 0), measured_s=None if i == 0 else c["measured_s"])
+               for i, c in enumerate(candidates)]
+    assert fit_correction(flagged, numels).ref_plan == fit_correction(
+        candidates[1:], numels).ref_plan
 
 
 def test_fit_correction_never_leaves_out_a_point_below_its_line():

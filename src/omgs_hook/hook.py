@@ -374,38 +374,40 @@ class OMGSState:
             strategy's trial only compares its plan with the same groups all sparse,
             when the model sent some dense.
 
-            **Trial budget.** Up to three rounds (``plan_selection.Trial``): every
-            candidate runs ``1`` settle step (not counted) and ``1`` counted step, in
-            order and then again in reverse order (two passes, so that a machine that
-            speeds up or slows down over the round costs every candidate alike; the
-            first trial of a run starts with ``6`` uncounted steps of the model's
-            choice, as the steps right after the warm-up run slow);
-            those within 30% of the best (at most 3) run again in reverse order with
-            ``3`` counted steps; when the best two are still closer than the samples'
-            noise (at least 2%), they run once more. A step that a load spell slowed
-            (on some rank the forward pass after it took over 1.3x that rank's median
+            **Trial budget.** Up to three rounds (``plan_selection.Trial``): every candidate
+            runs ``1`` settle step (not counted) and ``1`` counted step, in order and then
+            again in reverse order (two passes, so that a machine that speeds up or slows
+            down over the round costs every candidate alike; the first trial of a run starts
+            with ``6`` uncounted steps of the model's choice, as the steps right after the
+            warm-up run slow); those within 30% of the best (at most 3) run again in reverse
+            order with ``3`` counted steps; those still closer to the best than the noise
+            (at least 3%; the larger of the spread of the confirm round's samples and how
+            far one candidate's two screen turns moved against the others') run two more
+            turns each, in mirrored order (``a b c c b a``), ``2`` counted steps per turn. A
+            candidate's time weights each round by its turns there. A step that a load spell
+            slowed (on some rank the forward pass after it took over 1.3x that rank's median
             forward of the trial: on CPU; on CUDA no step is judged) is left out of its
-            candidate's median; a candidate whose every sample in a round was slowed
-            runs its turn again right after (at most 2 such retakes per trial). A full
-            trial (the first plan, a bucket-layout change) has at most 7 candidates: at
-            most ``7 * 2 * 2 + (3 + 2 + 2) * 4 = 56`` steps, 5.6% of a 1000-step run
-            (48 without load spells), typically 33-48, after the first trial's 6 lead
-            steps. A later trial (a periodic re-plan
-            whose model plan differs from the one the last trial started from, e.g.
-            after an online refit) compares the kept plan with the new model plan only
-            (at most 32 steps) and starts only while all later trials together stay
-            within 3% of the steps run; otherwise the kept plan stays. (With
-            ``topology="auto"`` resolved two-level it starts when the two-level or the
-            flat model's plan changed, and also holds the flat model's plan
-            ``flat:<strategy>`` when that differs from the kept plan and the budget
-            has room for three candidates, at most 40 steps.) Trial steps are
-            ordinary training steps (error feedback is per parameter, so switching
-            plans between steps changes no result); what a trial costs is the slower
-            candidates' extra time over those steps. One small all-gather per
-            measuring round (at most three per trial), from the hook.
-            The trial's measurements also refit the model (a constant, seconds per
-            element sent dense, seconds per sparse group: ``stats()["cost_correction"]``)
-            for the later re-plans.
+            candidate's median; a candidate whose every sample in a round was slowed runs
+            its turn again right after (at most 2 such retakes per trial). A full trial (the
+            first plan, a bucket-layout change) has at most 7 candidates: at most
+            ``7 * 2 * 2 + (3 + 2) * 4 + 3 * 2 * 3 = 66`` steps, 6.6% of a 1000-step run (58
+            without load spells), after the first trial's 6 lead steps; as the rounds narrow to
+            plans within a few % of each other, most of those steps run at about the
+            winner's pace (``stats()["selection"]`` reports each trial's ``excess_steps``:
+            its cost in steps of the winner). A later trial (a periodic re-plan whose model
+            plan differs from the one the last trial started from, e.g. after an online
+            refit) compares the kept plan with the new model plan only (at most 36 steps)
+            and starts only while all later trials together stay within 3% of the steps run;
+            otherwise the kept plan stays. (With ``topology="auto"`` resolved two-level it
+            starts when the two-level or the flat model's plan changed, and also holds the
+            flat model's plan ``flat:<strategy>`` when that differs from the kept plan and
+            the budget has room for three candidates, at most 50 steps.) Trial steps are
+            ordinary training steps (error feedback is per parameter, so switching plans
+            between steps changes no result); what a trial costs is the slower candidates'
+            extra time over those steps. One small all-gather per measuring round (at most
+            three per trial), from the hook. The trial's measurements also refit the model
+            (a constant, seconds per element sent dense, seconds per sparse group:
+            ``stats()["cost_correction"]``) for the later re-plans.
         plan: pin the plan: a plan saved from a previous run (``state.stats()["plan"]``,
             ``state.state_dict()`` or its ``"plan"``), the output of ``omgs-plan`` (groups
             of bucket indices, adopted at the end of the warm-up; the layout must have

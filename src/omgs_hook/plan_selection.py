@@ -948,16 +948,23 @@ class Correction:
     not added: the tail and the rest of the step are measured afresh, and the trial's
     level moves with the load of its steps.
 
-    ``sparse_groups_ref`` is where the group term is centred: the median number of
-    sparse groups of the candidates it was fitted on (0 without a group term). The
-    constant is the fit's value at *no* sparse group, an extrapolation far from every
-    candidate; a plan with the reference's groups gets none of the group term, so the
-    term moves plans relative to the trial's typical plan instead of lifting them all.
-    (ResNet-20, 8 ranks, 2026-12-05: 49 ms per sparse group with -138 ms of constant,
-    fitted on 1-4 groups; added from zero groups it priced the 3-group winner 22% too
-    slow.) ``ref_plan`` is that typical plan, ``(groups, dense, exchange)`` over the
-    trial's units: the candidate whose sparse group count is nearest the reference (the
-    first such in the trial's order). The hook's ``level_s`` takes back what the term adds to
+    ``sparse_groups_ref`` is where the group term is centred: the sparse groups of the
+    trial's winner (without a winner among the points: the median number of sparse
+    groups of the candidates; 0 without a group term). The constant is the fit's value
+    at *no* sparse group, an extrapolation far from every candidate; a plan with the
+    reference's groups gets none of the group term, so the term moves plans relative to
+    the reference instead of lifting them all. (ResNet-20, 8 ranks, 2026-12-05: 49 ms per
+    sparse group with -138 ms of constant, fitted on 1-4 groups; added from zero groups
+    it priced the 3-group winner 22% too slow.) ``ref_plan`` is that plan,
+    ``(groups, dense, exchange)`` over the trial's units: the winner - the plan the hook
+    runs next and the best-measured point of the fit, so its own prediction is the
+    model's from its own steps and the fitted slope only prices the other plans
+    against it - or, without one, the candidate whose sparse group count is nearest
+    the reference (the first such in the trial's order). Centred on the trial's median
+    plan instead, a slope fitted through the extremes moved the winner's own
+    prediction: ResNet-20, N = 8, d = 0.01 (ac11f8f), 43 ms per group fitted through
+    `single` and a 3-group plan, centred at 3.5 groups, priced the 2-group winner 14%
+    under its measured step. The hook's ``level_s`` takes back what the term adds to
     *that plan's timeline*, not ``sparse_group_s * sparse_groups_ref``: the term goes in
     as top-k work, and where the network is the critical path part of it is hidden, so
     taking back the full product priced every plan too fast (the same ResNet-20 at 8
@@ -1092,11 +1099,19 @@ def fit_correction(candidates, numels) -> Optional[Correction]:
         if coef.get(0, 0.0) < 0:
             terms = [t for t in terms if t != 0]
             continue
-        ref = float(statistics.median(p[1] for p in points)) if 1 in coef else 0.0
+        ref, ref_plan = 0.0, None
+        if 1 in coef:
+            winners = [i for i, c in enumerate(measured) if c.get("winner")]
+            if winners:
+                c = measured[winners[0]]
+                ref = float(points[winners[0]][1])
+                ref_plan = _ref_plan(c["groups"], c["dense"], c.get("exchange"))
+            else:
+                ref = float(statistics.median(p[1] for p in points))
+                ref_plan = _reference_plan(measured, points, ref)
         return Correction(constant_s=solution[0], dense_s_per_element=coef.get(0, 0.0),
                           sparse_group_s=coef.get(1, 0.0), points=len(points),
-                          sparse_groups_ref=ref,
-                          ref_plan=_reference_plan(measured, points, ref) if 1 in coef else None)
+                          sparse_groups_ref=ref, ref_plan=ref_plan)
 
 
 def _reference_plan(candidates, points, ref):
