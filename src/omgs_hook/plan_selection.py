@@ -454,8 +454,8 @@ class Trial:
     Reversing the order from round to round makes a slow drift of the machine (load
     that comes and goes) hit the contenders alike, instead of favouring whichever ran
     last. A round with a single candidate is skipped: it is the winner. The winner is
-    the lowest median over all of a candidate's samples among the last round's
-    members; ties go to the lower index (the model's choice first). A candidate's time
+    the candidate with the lowest time (below) among the last round's members; ties go
+    to the lower index (the model's choice first). A candidate's time
     is the geometric mean over the rounds it ran in of its median in that round,
     weighted by its turns there (2 in the screen, 1 in the confirm round, 2 in the
     tie-break): a turn's steps share their load, so turns, not steps, are the
