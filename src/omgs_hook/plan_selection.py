@@ -420,6 +420,14 @@ def _relative_spread(values):
 SCREEN, CONFIRM, TIEBREAK, RETAKE = "screen", "confirm", "tiebreak", "retake"
 
 
+def _require_int(name, value, minimum):
+    """ValueError naming ``name`` unless ``value`` is an int (not a bool) >= ``minimum``
+    (the hook's options have their twin, ``hook._check_int``; this module stays below
+    the hook)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
 def _step_loads(probe_rows, reference):
     """Per counted step, the largest over ranks of probe / that rank's reference (NaN
     where no rank has both)."""
@@ -500,9 +508,7 @@ class Trial:
             raise ValueError("a trial needs at least one candidate")
         if settle < 0 or measure < 1 or confirm < 1 or tiebreak < 1:
             raise ValueError("settle must be >= 0, measure, confirm and tiebreak >= 1")
-        if isinstance(tiebreak_turns, bool) or not isinstance(tiebreak_turns, int) \
-                or tiebreak_turns < 1:
-            raise ValueError(f"tiebreak_turns must be an int >= 1, got {tiebreak_turns!r}")
+        _require_int("tiebreak_turns", tiebreak_turns, 1)
         if confirm_window < 0 or near_tie < 0 or noise_tie < 0 or max_confirm < 1 \
                 or max_remeasure < 1:
             raise ValueError("windows must be >= 0, max_confirm and max_remeasure >= 1")
@@ -510,11 +516,8 @@ class Trial:
             spell_factor = SPELL_FACTOR
         if not spell_factor > 1.0 or max_retakes < 0:
             raise ValueError("spell_factor must be > 1 and max_retakes >= 0")
-        if isinstance(screen_passes, bool) or not isinstance(screen_passes, int) \
-                or screen_passes < 1:
-            raise ValueError(f"screen_passes must be an int >= 1, got {screen_passes!r}")
-        if isinstance(lead, bool) or not isinstance(lead, int) or lead < 0:
-            raise ValueError(f"lead must be an int >= 0, got {lead!r}")
+        _require_int("screen_passes", screen_passes, 1)
+        _require_int("lead", lead, 0)
         self.candidates = list(candidates)
         self.reason = str(reason)
         self.settle = int(settle)
@@ -561,12 +564,15 @@ class Trial:
     def done(self):
         return self.winner is not None
 
+    def _counted_in(self, kind):
+        """Counted steps per turn in a round of ``kind``."""
+        return (self.measure if kind == SCREEN else self.tiebreak if kind == TIEBREAK
+                else self.confirm)
+
     @property
     def counted(self):
         """Counted steps per turn in the current round."""
-        kind = self.round_kinds[-1]
-        return (self.measure if kind == SCREEN else self.tiebreak if kind == TIEBREAK
-                else self.confirm)
+        return self._counted_in(self.round_kinds[-1])
 
     @property
     def per_candidate(self):
@@ -621,18 +627,18 @@ class Trial:
         return [x for row in self.local for x in row] + [x for row in self.local_probe for x in row]
 
     # -- decision ---------------------------------------------------------------------
-    def _decided_rounds(self):
-        """(turns, samples) of every finished round but the retakes (whose samples stand
-        in for those of the round before them)."""
-        turns = [t for t, k in zip(self.rounds, self.round_kinds) if k != RETAKE]
-        return list(zip(turns, self.round_samples))
+    def _measured_rounds(self):
+        """(kind, turns, samples) of every finished round but the retakes (whose samples
+        stand in for those of the round before them)."""
+        rounds = [(k, t) for k, t in zip(self.round_kinds, self.rounds) if k != RETAKE]
+        return [(k, t, samples) for (k, t), samples in zip(rounds, self.round_samples)]
 
     def measured_s(self, index) -> float:
         """Geometric mean over the rounds ``index`` ran in of its median there, weighted
         by its turns in the round (inf when a round has no sample of it, or it never
         ran)."""
         parts = [(_median(samples[index]), turns.count(index))
-                 for turns, samples in self._decided_rounds() if index in samples]
+                 for _, turns, samples in self._measured_rounds() if index in samples]
         if not parts or any(not (0 < m < math.inf) for m, _ in parts):
             return math.inf
         weight = sum(w for _, w in parts)
@@ -782,10 +788,8 @@ class Trial:
         out[self.rounds[0][0]] += self.lead
         finished = len(self.rounds) if self.done else len(self.rounds) - 1
         for turns, kind in zip(self.rounds[:finished], self.round_kinds[:finished]):
-            counted = (self.measure if kind == SCREEN else self.tiebreak if kind == TIEBREAK
-                       else self.confirm)
             for i in turns:
-                out[i] += self.settle + counted
+                out[i] += self.settle + self._counted_in(kind)
         return out
 
     def excess_steps(self) -> Optional[float]:
@@ -807,9 +811,8 @@ class Trial:
     def round_medians(self, index):
         """``[kind, median seconds or None]`` of ``index`` in each finished round it ran
         in (retakes folded into the round they stand in for)."""
-        kinds = [k for k in self.round_kinds if k != RETAKE]
         out = []
-        for kind, samples in zip(kinds, self.round_samples):
+        for kind, _, samples in self._measured_rounds():
             if index in samples:
                 m = _median(samples[index])
                 out.append([kind, None if math.isinf(m) else m])
@@ -1099,26 +1102,25 @@ def fit_correction(candidates, numels) -> Optional[Correction]:
         if coef.get(0, 0.0) < 0:
             terms = [t for t in terms if t != 0]
             continue
-        ref, ref_plan = 0.0, None
-        if 1 in coef:
-            winners = [i for i, c in enumerate(measured) if c.get("winner")]
-            if winners:
-                c = measured[winners[0]]
-                ref = float(points[winners[0]][1])
-                ref_plan = _ref_plan(c["groups"], c["dense"], c.get("exchange"))
-            else:
-                ref = float(statistics.median(p[1] for p in points))
-                ref_plan = _reference_plan(measured, points, ref)
+        ref, ref_plan = _reference(measured, points) if 1 in coef else (0.0, None)
         return Correction(constant_s=solution[0], dense_s_per_element=coef.get(0, 0.0),
                           sparse_group_s=coef.get(1, 0.0), points=len(points),
                           sparse_groups_ref=ref, ref_plan=ref_plan)
 
 
-def _reference_plan(candidates, points, ref):
-    """``(groups, dense, exchange)`` of the candidate whose sparse group count is
-    nearest ``ref`` (the first in the given order on a tie: ``min`` keeps the first)."""
-    c, _ = min(zip(candidates, points), key=lambda cp: abs(cp[1][1] - ref))
-    return _ref_plan(c["groups"], c["dense"], c.get("exchange"))
+def _reference(candidates, points):
+    """``(sparse_groups_ref, ref_plan)`` of a fit over ``candidates`` (their ``points``):
+    the winner's sparse groups and plan; without a winner among them, the median sparse
+    group count and the candidate nearest it (the first in the given order on a tie:
+    ``min`` keeps the first)."""
+    winners = [cp for cp in zip(candidates, points) if cp[0].get("winner")]
+    if winners:
+        (c, point), = winners[:1]
+        ref = float(point[1])
+    else:
+        ref = float(statistics.median(p[1] for p in points))
+        c, _ = min(zip(candidates, points), key=lambda cp: abs(cp[1][1] - ref))
+    return ref, _ref_plan(c["groups"], c["dense"], c.get("exchange"))
 
 
 def _ref_plan(groups, dense, exchange):
