@@ -246,6 +246,11 @@ def _rate_override(text):
         raise argparse.ArgumentTypeError(
             f"--rate {text!r}: unknown model {model!r}; valid choices: "
             f"{', '.join(MODELS + (USER_MODEL,))}")
+    from netem_cluster import ClusterError, parse_rate
+    try:  # a rate without a unit would otherwise fail only once the cluster is built
+        parse_rate(rate.strip())
+    except ClusterError as error:
+        raise argparse.ArgumentTypeError(f"--rate {text!r}: {error}") from None
     return (model, nodes), rate.strip()
 
 

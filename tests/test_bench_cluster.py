@@ -333,6 +333,8 @@ def test_write_doc_keeps_text_outside_the_markers(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--rate", "vgg16:4"], "MODEL:N=RATE"),
     (["--rate", "alexnet:4=1gbit"], "unknown model"),
+    (["--rate", "user:4=220"], "has no unit"),
+    (["--rate", "resnet20:4=10mbps"], "bytes/s"),
     (["--models", "resnet20", "--rate", "vgg16:4=1gbit"], "not being run"),
     (["--densities", "1.0"], "density must be in"),
     (["--hooks", "allreduce,dgc"], "unknown hook dgc"),
