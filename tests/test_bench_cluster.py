@@ -186,6 +186,22 @@ def test_render_reports_the_defaults_targets_and_errors_per_strategy():
             "(`excess_steps`).") in bench.render_tables([r], "benchmarks.png")
 
 
+def test_the_model_check_on_its_own_steps_is_reported_beside_the_timed_error():
+    r = _with_default()
+    checks = {"topk": -0.02, "lags": 0.15, "omgs": None, "default": 0.01}
+    for name, error in checks.items():
+        if error is not None:
+            r["variants"][name]["hook"]["model_check"] = {"kind": "settled", "error": error}
+    a = bench.analyse(r)
+    assert a["strategy_check_error"] == {"single": -0.02, "layerwise": 0.15, "default": 0.01}
+    r["analysis"] = a
+    text = bench.render_tables([r], "benchmarks.png")
+    rows = text.split("the steps it was made from")[1].splitlines()
+    assert "| resnet20 N=4 d=0.001 | -2% met | +15% **missed** | - | - | +1% met |" in rows
+    # results without model checks have no such entry
+    assert "strategy_check_error" not in bench.analyse(_result())
+
+
 def test_quick_runs_on_a_faster_link_unless_a_rate_is_given():
     # the smoke run's dense warm-up steps would take most of its time at 20 Mbit/s
     assert bench.parse_args(["--quick"]).rate == {("resnet20", 2): bench.QUICK_RATE}
