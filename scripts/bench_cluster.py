@@ -246,12 +246,18 @@ def _rate_override(text):
         raise argparse.ArgumentTypeError(
             f"--rate {text!r}: unknown model {model!r}; valid choices: "
             f"{', '.join(MODELS + (USER_MODEL,))}")
+    return (model, nodes), link_rate(rate.strip(), f"--rate {text!r}")
+
+
+def link_rate(text, name="--rate"):
+    """A tc-style link rate (``"14mbit"``), checked when the arguments are parsed: a
+    rate without a unit would otherwise fail only once the cluster is built."""
     from netem_cluster import ClusterError, parse_rate
-    try:  # a rate without a unit would otherwise fail only once the cluster is built
-        parse_rate(rate.strip())
+    try:
+        parse_rate(text)
     except ClusterError as error:
-        raise argparse.ArgumentTypeError(f"--rate {text!r}: {error}") from None
-    return (model, nodes), rate.strip()
+        raise argparse.ArgumentTypeError(f"{name}: {error}") from None
+    return text
 
 
 _positive_int = integer_at_least(1)

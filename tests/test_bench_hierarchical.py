@@ -144,3 +144,10 @@ def test_bench_hierarchical_quick_run(tmp_path):
     assert "omgs_hier" in result["analysis"]["pairs"]
     text = doc.read_text()
     assert "| OMGS-SGD, two-level |" in text and "### Targets (issue 12)" in text
+
+
+@pytest.mark.parametrize("rate, message", [("5", "has no unit"), ("5mbps", "bytes/s")])
+def test_a_rate_without_a_bit_unit_is_rejected_when_parsed(rate, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_h.parse_args(["--rate", rate])
+    assert message in capsys.readouterr().err
