@@ -249,14 +249,14 @@ def _rate_override(text):
     return (model, nodes), link_rate(rate.strip(), f"--rate {text!r}")
 
 
-def link_rate(text, name="--rate"):
+def link_rate(text, name=None):
     """A tc-style link rate (``"14mbit"``), checked when the arguments are parsed: a
     rate without a unit would otherwise fail only once the cluster is built."""
     from netem_cluster import ClusterError, parse_rate
     try:
         parse_rate(text)
     except ClusterError as error:
-        raise argparse.ArgumentTypeError(f"{name}: {error}") from None
+        raise argparse.ArgumentTypeError(f"{name}: {error}" if name else str(error)) from None
     return text
 
 
