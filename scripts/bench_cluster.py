@@ -1558,32 +1558,35 @@ def render_default_targets(results):
                f"{100 * TARGET_STRATEGY_PREDICTION_ERROR:.0f}%). `optimal+dense` is "
                "`strategy=\"optimal\", allow_dense=True`; the others are sparse-only unless "
                "the heading says dense groups are allowed.\n")
-    strategies = list(PREDICTION_STRATEGIES) + ["default"]
-    out.append("| configuration | " + " | ".join(strategies) + " |")
-    out.append("|---|" + "---|" * len(strategies))
-    for r in results:
+
+    def errors_of(r):
         a = r["analysis"]
         errors = dict(a.get("strategy_prediction_error") or {})
         if a.get("default_prediction_error") is not None:
             errors["default"] = a["default_prediction_error"]
-        name = f"{r['model']} N={r['nodes']} d={r['density']:g}{_dense_note(r)}"
-        cells = ["-" if errors.get(k) is None else
-                 f"{_pct(errors[k])} {_verdict(abs(errors[k]) <= TARGET_STRATEGY_PREDICTION_ERROR)}"
-                 for k in strategies]
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out.append("")
+        return errors
+
+    out += _error_table(results, errors_of)
     out.append("The same prediction against the steps it was made from: the hook's model "
                "check (`stats()[\"model_check\"][\"error\"]`, the settled one 20 steps "
                "after the plan went into use). The table above compares it with the timed "
                "rounds instead, which run later in the run; the difference between the two "
                "is how far the host's step times moved between those windows.\n")
-    out.append("| configuration | " + " | ".join(strategies) + " |")
-    out.append("|---|" + "---|" * len(strategies))
+    out += _error_table(results, lambda r: r["analysis"].get("strategy_check_error") or {})
+    return out
+
+
+def _error_table(results, errors_of):
+    """A row per result, a column per strategy (and the default): each error against
+    the target, ``errors_of(result)`` giving them by strategy."""
+    strategies = list(PREDICTION_STRATEGIES) + ["default"]
+    out = ["| configuration | " + " | ".join(strategies) + " |",
+           "|---|" + "---|" * len(strategies)]
     for r in results:
-        checks = r["analysis"].get("strategy_check_error") or {}
+        errors = errors_of(r)
         name = f"{r['model']} N={r['nodes']} d={r['density']:g}{_dense_note(r)}"
-        cells = ["-" if checks.get(k) is None else
-                 f"{_pct(checks[k])} {_verdict(abs(checks[k]) <= TARGET_STRATEGY_PREDICTION_ERROR)}"
+        cells = ["-" if errors.get(k) is None else
+                 f"{_pct(errors[k])} {_verdict(abs(errors[k]) <= TARGET_STRATEGY_PREDICTION_ERROR)}"
                  for k in strategies]
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     out.append("")
