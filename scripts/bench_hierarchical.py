@@ -130,7 +130,8 @@ def build_parser():
     add("--nodes", type=integer_at_least(2), default=2)
     add("--ranks-per-node", type=integer_at_least(2), default=2,
         help="ranks sharing each node's namespace (loopback between them)")
-    add("--rate", type=bench.link_rate, default=DEFAULT_RATE, help="link rate between nodes (tc units, e.g. 14mbit)")
+    add("--rate", type=bench.link_rate, default=DEFAULT_RATE,
+        help="link rate between nodes (tc units, e.g. 14mbit)")
     add("--densities", type=bench._densities, default=[0.01])
     add("--hooks", type=bench._csv("hook", HOOKS),
         default=[h for h in HOOKS if h not in ON_REQUEST],
