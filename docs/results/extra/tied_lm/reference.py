@@ -46,4 +46,5 @@ for step in range(150):
             total += sent
         p.grad = (total / workers).reshape(p.shape)
     opt.step()
-print(mode, least, "loss first/last 10: %.3f %.3f" % (sum(losses[:10]) / 10, sum(losses[-10:]) / 10))
+first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+print(mode, least, "loss first/last 10: %.3f %.3f" % (first, last))

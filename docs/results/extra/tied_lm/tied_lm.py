@@ -7,7 +7,8 @@ and a LayerNorm of 128 elements. Next-token data: token t+1 = (7 token t + 3) mo
 
 Environment: LR (0.1), MOM (momentum, 0.9), RHO (density, 0.01), CAP (DDP bucket_cap_mb,
 1), DENSE (allow_dense, 1), STRAT (a fixed strategy with select="model"; unset: the
-default register()), PLAN (a pinned plan: groups of parameter names as JSON). Prints the mean loss of the first and last 10 of 150 steps.
+default register()), PLAN (a pinned plan: groups of parameter names as JSON).
+Prints the mean loss of the first and last 10 of 150 steps.
 """
 import json
 import os
@@ -73,7 +74,8 @@ def main(mode):
         losses.append(loss.item())
     if rank == 0:
         plan = state.stats()["plan"] if state is not None else None
-        print(mode, "loss first/last 10: %.3f %.3f" % (sum(losses[:10]) / 10, sum(losses[-10:]) / 10),
+        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+        print(mode, "loss first/last 10: %.3f %.3f" % (first, last),
               "plan:", plan and (plan["strategy"], plan["groups"], plan["dense"]))
     dist.destroy_process_group()
 
