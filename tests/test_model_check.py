@@ -208,8 +208,12 @@ def spell_check_worker(rank, world_size, steps, spell):
     slowed = []
 
     def load_spell(module, args):
-        # a load spell over the first check's steps: each forward takes 30 ms more
-        # (this tiny model's forward takes well under 1 ms)
+        # Every forward takes a steady 10 ms: this tiny model's own forward takes well
+        # under 1 ms, so a scheduler hiccup of a busy host alone could move its median by
+        # the spell factor (a real spell, which the check rightly waits for: the case
+        # without a spell then failed now and then). A load spell over the first check's
+        # steps: each forward takes 30 ms more.
+        time.sleep(0.01)
         if spell and state._check_at is not None and state._check_postponed == 0:
             time.sleep(0.03)
             slowed.append(state.step)
