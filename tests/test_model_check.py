@@ -144,11 +144,32 @@ def test_measured_comm_must_be_a_bool():
 
 
 # ----------------------------------------------------------------------- under real DDP
+STEADY_FORWARD_S = 0.01
+
+
+def steady_forward(model, extra=None):
+    """Every forward of ``model`` takes a steady STEADY_FORWARD_S more, then ``extra()``.
+
+    This tiny model's own forward takes well under 1 ms, so a scheduler hiccup of a busy
+    host alone could move its median by the spell factor: a real load spell, which a
+    model check rightly waits for, moving its step (tests without a spell failed so now
+    and then)."""
+    import time
+
+    def pre_hook(module, args):
+        time.sleep(STEADY_FORWARD_S)
+        if extra is not None:
+            extra()
+
+    model.register_forward_pre_hook(pre_hook)
+
+
 def check_worker(rank, world_size, steps, **options):
     import torch.distributed as dist
 
     torch.manual_seed(0)
     model = Net()
+    steady_forward(model)
     ddp = DDP(model, bucket_cap_mb=0)
     state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=2, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -207,18 +228,13 @@ def spell_check_worker(rank, world_size, steps, spell):
                                allow_dense=False)
     slowed = []
 
-    def load_spell(module, args):
-        # Every forward takes a steady 10 ms: this tiny model's own forward takes well
-        # under 1 ms, so a scheduler hiccup of a busy host alone could move its median by
-        # the spell factor (a real spell, which the check rightly waits for: the case
-        # without a spell then failed now and then). A load spell over the first check's
-        # steps: each forward takes 30 ms more.
-        time.sleep(0.01)
+    def load_spell():
+        # a load spell over the first check's steps: each forward takes 30 ms more
         if spell and state._check_at is not None and state._check_postponed == 0:
             time.sleep(0.03)
             slowed.append(state.step)
 
-    model.register_forward_pre_hook(load_spell)
+    steady_forward(model, load_spell)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     checks = []
     for step in range(steps):
@@ -385,6 +401,7 @@ def settled_check_worker(rank, world_size, steps, sleep_s):
 
     torch.manual_seed(0)
     model = Net()
+    steady_forward(model)
     ddp = DDP(model, bucket_cap_mb=0)
     state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=2, select="model",
                                strategy="single", allow_dense=False)
