@@ -94,6 +94,22 @@ def test_density_warm_up_schedule():
     assert OMGSState(density=0.5, density_warmup_steps=10).density_at(7) == 0.5
 
 
+def test_a_coarse_bucket_layout_warns_once_with_a_cap_that_fits_the_model():
+    import warnings
+
+    state = OMGSState(density=0.01)
+    layout = [["out.bias", "norm.weight", "norm.bias", "rnn.weight"], ["emb.weight"]]
+    with pytest.warns(RuntimeWarning, match=r"holds 97% of the gradient .*\(about 0\.33 for "
+                                            r"this model's 5\.34 MB"):
+        state._warn_if_coarse(layout, [1_360_000, 40_000])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state._warn_if_coarse(layout, [1_360_000, 40_000])  # once only
+        # no warning where no bucket holds most of the gradient, or for `single`
+        OMGSState(density=0.01)._warn_if_coarse(layout, [600_000, 800_000])
+        OMGSState(density=0.01, strategy="single")._warn_if_coarse(layout, [1_360_000, 1])
+
+
 def test_overhead_re_plan_waits_for_the_end_of_the_density_warm_up():
     from types import SimpleNamespace
 

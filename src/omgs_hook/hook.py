@@ -2018,11 +2018,16 @@ class OMGSState:
         share = numels[largest] / max(1, sum(numels))
         if share > 0.5 and len(layout[largest]) >= 4:
             self._coarse_warned = True
+            # a cap of a sixteenth of the gradient gives the planner about 16 buckets; a
+            # fixed value (such as 1 MB) can still leave a small model in one bucket, since
+            # DDP closes a bucket only once it has reached the cap
+            total_mb = 4 * sum(numels) / 2 ** 20
             warnings.warn(
                 f"omgs_hook: DDP bucket {largest} holds {share:.0%} of the gradient "
                 f"({len(layout[largest])} parameters in {len(layout)} buckets); the planner can "
-                "only merge whole buckets. Construct DDP with a smaller bucket_cap_mb (e.g. 1, "
-                "or 0 for one parameter per bucket) to let it plan.",
+                f"only merge whole buckets. Construct DDP with a smaller bucket_cap_mb (about "
+                f"{total_mb / 16:.2g} for this model's {total_mb:.3g} MB of fp32 gradients, or 0 "
+                "for one parameter per bucket) to let it plan.",
                 RuntimeWarning,
                 stacklevel=3,
             )
