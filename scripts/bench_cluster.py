@@ -876,8 +876,7 @@ def run_worker(config_path):
             reports[variant.name] = variant_report(variant)
             reports[variant.name]["warmup_steps"] = warmup[variant.name]
             if variant.warmup_rows:  # the default's settling steps (untimed), slowest rank
-                for at, key in enumerate(("iteration_s", "optimizer_s", "topk_s", "hook_s")):
-                    reports[variant.name]["settle_" + key] = [r[at] for r in variant.warmup_rows]
+                reports[variant.name].update(step_columns(variant.warmup_rows, "settle_"))
         peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
         dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
         if rank == 0:
@@ -917,16 +916,22 @@ def quantile(values, q):
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+# the columns of a step's row, as run_step returns it
+STEP_COLUMNS = ("iteration_s", "optimizer_s", "topk_s", "hook_s")
+
+
+def step_columns(rows, prefix=""):
+    """``{prefix + column: [value per row]}`` for the :data:`STEP_COLUMNS` of ``rows``."""
+    return {prefix + key: [r[at] for r in rows] for at, key in enumerate(STEP_COLUMNS)}
+
+
 def summarise_times(rows):
     """Median, quartiles and extremes of slowest-rank steps ``(iter, optimizer, topk, hook)``."""
     if not rows:
         return {"iteration_s": [], "timed_steps": 0}
     iteration = [r[0] for r in rows]
     return {
-        "iteration_s": iteration,
-        "optimizer_s": [r[1] for r in rows],
-        "topk_s": [r[2] for r in rows],
-        "hook_s": [r[3] for r in rows],
+        **step_columns(rows),
         "timed_steps": len(rows),
         "median_s": statistics.median(iteration),
         "p25_s": quantile(iteration, 0.25),

@@ -483,6 +483,10 @@ def test_bench_cluster_quick_run(tmp_path):
     default = result["variants"]["default"]
     assert default["hook"]["num_groups"] >= 1 and default["hook"]["predicted_iteration_s"] > 0
     assert default["warmup_steps"] >= result["variants"]["omgs"]["warmup_steps"]
+    # the default's settling steps keep every timer, one value per step
+    settle = [default["settle_" + key] for key in bench.STEP_COLUMNS]
+    assert settle[0] and len({len(column) for column in settle}) == 1
+    assert all(s > 0 for s in settle[0])
     assert result["variants"]["omgs_dense"]["hook"]["options"]["allow_dense"] is True
     assert result["variants"]["omgs"]["hook"]["options"]["allow_dense"] is False
     assert result["library"]["commit"] and "density" in result["library"]["defaults"]
