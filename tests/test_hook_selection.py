@@ -194,17 +194,22 @@ def test_a_load_spell_in_the_trial_is_seen_by_the_probe_and_retaken(guard):
         assert report["winner"] == victim == stats[0]["plan"]["strategy"]
     else:  # the same spell without the guard: nothing is seen or retaken
         assert report["retaken"] == [] and sum(disturbed.values()) == 0
-        # and the victim loses its screen round - whenever another candidate beats its
-        # doubled time. How many candidates survive the model's pruning depends on the
-        # really measured backward times: with only the model's choice besides it (rank
-        # 1's +50 ms makes that one slower than any doubled plan) it still wins.
+        # and the victim loses its screen round whenever another candidate beats its
+        # doubled time by more than the confirm window (closer, it is measured again,
+        # undisturbed, in the confirm round, which it may win). How many candidates
+        # survive the model's pruning depends on the really measured backward times:
+        # with only the model's choice besides it (rank 1's +50 ms makes that one slower
+        # than any doubled plan) it still wins.
         _, slowest = expected_winner(report, 2)
         names = [c["name"] for c in report["candidates"]]
         doubled = 2 * slowest[names.index(victim)]
-        if any(t < doubled for n, t in zip(names, slowest) if n != victim):
+        best_other = min(t for n, t in zip(names, slowest) if n != victim)
+        if doubled > (1 + plan_selection.CONFIRM_WINDOW) * best_other:
             assert report["winner"] != victim
-        else:
+        elif doubled <= best_other:
             assert report["winner"] == victim
+        else:  # within the confirm window: the confirm round decides
+            assert report["winner"] in names
     # the hook's real probe on CPU: this step's forward, measured at bucket 0
     for r in results:
         assert r["real"] and all(x is not None and 0 < x < 5 for x in r["real"]), r["real"]

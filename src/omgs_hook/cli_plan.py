@@ -12,7 +12,9 @@ list for a list)::
     {"strategy": "optimal", "groups": [[0, 1], [2]], "predicted_iteration_s": 0.0123,
      "non_overlapped_s": 0.0011}
 
-plus ``"dense": [false, true]`` when the instance has a ``dense`` cost. A two-level
+plus ``"dense": [false, true]`` when the instance has a ``dense`` cost (with its optional
+``"min_sparse_numel"``, sparse groups of fewer elements are sent dense, as the hook does
+with its default of 1024; an instance without the field has no such floor). A two-level
 instance (with ``"hierarchy": {"ranks_per_node": L, "intra": {...}, "inter": {...}}``,
 see docs/cost-model.md) is planned for the two-level timeline, and its result also has
 ``"inter_node_bytes"`` (bytes one rank sends to other nodes per step, by the plan) and

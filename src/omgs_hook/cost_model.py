@@ -176,6 +176,14 @@ def _positive_int(value, field: str) -> int:
     return int(value)
 
 
+def _non_negative_int(value, field: str) -> int:
+    if type(value) is int and value >= 0:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise InstanceError(field, f"must be a non-negative integer, got {_describe(value)}")
+    return int(value)
+
+
 def _list_like(value) -> bool:
     """A sized iterable that is not text or a mapping (lists, tuples, numpy arrays)."""
     if type(value) is list or type(value) is tuple:  # the common case, checked per group
@@ -411,6 +419,12 @@ class Instance:
         hierarchy: optional :class:`Hierarchy`; when given, every group (sparse or
             dense) uses the two-level timeline of the module docstring (``comm`` is then unused by the
             timeline; it stays the flat all-gather cost, for comparison).
+        min_sparse_numel: the planner's floor for sparse groups (needs ``dense``): a group
+            of fewer elements that a plan would send sparse is sent dense instead
+            (:func:`omgs_hook.planner.small_groups_dense`). 0 (the default) has no floor.
+            A convergence guard, not a cost: a small normalisation tensor alone in a
+            sparse group gets ``k`` of 1-3 entries a step and trains badly with
+            momentum (docs/convergence.md). Ignored without ``dense``.
     """
 
     layers: Tuple[Unit, ...]
@@ -425,6 +439,7 @@ class Instance:
     tail_s: float = 0.0
     hierarchy: Optional[Hierarchy] = None
     level_s: float = 0.0
+    min_sparse_numel: int = 0
 
     def __post_init__(self):
         layers = self.layers
@@ -453,6 +468,8 @@ class Instance:
             raise InstanceError("dense", f"must be a LinearCost, got {_describe(self.dense)}")
         object.__setattr__(self, "value_bytes", _positive_int(self.value_bytes, "value_bytes"))
         object.__setattr__(self, "index_bytes", _positive_int(self.index_bytes, "index_bytes"))
+        object.__setattr__(self, "min_sparse_numel",
+                           _non_negative_int(self.min_sparse_numel, "min_sparse_numel"))
         if self.hierarchy is not None:
             if not isinstance(self.hierarchy, Hierarchy):
                 raise InstanceError("hierarchy", f"must be a Hierarchy, got "
@@ -593,7 +610,8 @@ class Instance:
     # -- JSON form ------------------------------------------------------------------------
 
     _KEYS = ("layers", "world_size", "density", "forward_s", "comm", "topk")
-    _OPTIONAL = ("value_bytes", "index_bytes", "dense", "tail_s", "hierarchy", "level_s")
+    _OPTIONAL = ("value_bytes", "index_bytes", "dense", "tail_s", "hierarchy", "level_s",
+                 "min_sparse_numel")
 
     @classmethod
     def from_dict(cls, d) -> "Instance":
@@ -634,6 +652,7 @@ class Instance:
             tail_s=_number(d.get("tail_s", 0.0), "tail_s"),
             hierarchy=None if hierarchy is None else Hierarchy.from_dict(hierarchy),
             level_s=_number(d.get("level_s", 0.0), "level_s", signed=True),
+            min_sparse_numel=_non_negative_int(d.get("min_sparse_numel", 0), "min_sparse_numel"),
         )
 
     def to_dict(self) -> dict:
@@ -655,6 +674,8 @@ class Instance:
             d["hierarchy"] = self.hierarchy.to_dict()
         if self.level_s:
             d["level_s"] = self.level_s
+        if self.min_sparse_numel:
+            d["min_sparse_numel"] = self.min_sparse_numel
         return d
 
     @property
@@ -896,7 +917,7 @@ def _replace(inst: Instance, **changes) -> Instance:
                   forward_s=inst.forward_s, comm=inst.comm, topk=inst.topk,
                   value_bytes=inst.value_bytes, index_bytes=inst.index_bytes,
                   dense=inst.dense, tail_s=inst.tail_s, hierarchy=inst.hierarchy,
-                  level_s=inst.level_s)
+                  level_s=inst.level_s, min_sparse_numel=inst.min_sparse_numel)
     fields.update(changes)
     return Instance(**fields)
 
@@ -968,5 +989,8 @@ def relaxed_instance(inst: Instance) -> Instance:
         inter_dense = inst.inter_dense_cost()
         dense = LinearCost(inter_dense.alpha_s + h.intra.alpha_s,
                            (inter_dense.beta_s_per_byte + h.intra.beta_s_per_byte) / L)
+    # (no floor for sparse groups: it is applied after a search, and would make the
+    # relaxation's plans dearer - no lower bound - while the exact plan gets it anyway)
     return _replace(inst, topk=topk, comm=comm, dense=dense,
-                    density=inst.density / L * _RELAXED_DENSITY_SHRINK, hierarchy=None)
+                    density=inst.density / L * _RELAXED_DENSITY_SHRINK, hierarchy=None,
+                    min_sparse_numel=0)

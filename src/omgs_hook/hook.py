@@ -107,13 +107,17 @@ REPLAN_STALL_BUDGET_S = 0.02
 LOW_PRIORITY_REPLANS = True
 WORLD_SIZE_POLICIES = ("error", "reset")
 UNAPPLIED_POLICIES = ("rewind", "keep")
+#: ``min_sparse_numel``'s value where it is not given and ``allow_dense`` is on: sparse
+#: groups of fewer elements (4 kB of fp32) are sent dense - the biases and normalisation
+#: tensors that a plan can leave alone in a group (docs/convergence.md)
+DEFAULT_MIN_SPARSE_NUMEL = 1024
 # this many steps in a row whose gradient looked unapplied is not a discard pattern (a
 # GAN's discriminator alternates kept and discarded steps) but an optimizer that
 # updates parameters without bumping their version (``p.data``): rewinding stops
 UNAPPLIED_STREAK_LIMIT = 3
 # options a plan is made for: a checkpoint saved with other values has its plan, trial
 # and pending plan job dropped on load (the residuals stay: they are per parameter)
-PLAN_OPTIONS = ("density", "strategy", "select", "allow_dense")
+PLAN_OPTIONS = ("density", "strategy", "select", "allow_dense", "min_sparse_numel")
 # A bucket layout that differs from the plan's must persist this many steps before it
 # forces a re-plan: DDP's one-bucket iterations after a (re)start are transient.
 LAYOUT_SETTLE_STEPS = 3
@@ -163,6 +167,19 @@ def _check_fraction(name, value):
 def _check_int(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_min_sparse_numel(value, allow_dense):
+    """``min_sparse_numel`` resolved: None -> the default with ``allow_dense``, else 0."""
+    if value is None:
+        return DEFAULT_MIN_SPARSE_NUMEL if allow_dense else 0
+    value = _check_int("min_sparse_numel", value, 0)
+    if value and not allow_dense:
+        raise ValueError(
+            f"min_sparse_numel={value} needs allow_dense=True: it sends small groups as "
+            "dense all-reduces, which allow_dense=False (the paper's all-sparse algorithm) "
+            "rules out; pass min_sparse_numel=0 or None with allow_dense=False")
     return value
 
 
@@ -359,6 +376,17 @@ class OMGSState:
             sampled-threshold selector), ``"torch"``, ``"sampled"`` or ``"cupy"``.
         allow_dense (bool): let the planner send a group as a dense all-reduce where the
             cost model says that is cheaper. Default True.
+        min_sparse_numel (int or None): with ``allow_dense``, every plan - the model's,
+            each trial candidate, any strategy's - sends its sparse groups of fewer
+            elements dense (:func:`omgs_hook.planner.small_groups_dense`). A convergence
+            guard: a LayerNorm or bias alone in a sparse group sends 1-3 entries a step,
+            each about every ``1 / density`` steps with that many steps of residual, and
+            with momentum that can diverge (a held-out language model did, at density
+            0.01 and 0.001: docs/convergence.md); sent dense, such a group costs about
+            its sparse all-gather's startup. None (default): ``DEFAULT_MIN_SPARSE_NUMEL``
+            (1024) with ``allow_dense``, 0 without; 0 turns the guard off. A value above
+            0 needs ``allow_dense=True`` (``allow_dense=False`` is the paper's algorithm,
+            whose groups are all sparse). A pinned ``plan`` keeps its own flags.
         select (str): how the plan in use is chosen. ``"measured"`` (default): after each
             model-based plan, a bounded trial times a few candidate plans for real (the
             model's choice, the optimum without dense groups, all-dense (DDP's own
@@ -367,7 +395,8 @@ class OMGSState:
             two coarser ones between ``single`` and the optimum's groups; with
             ``topology="auto"`` on a two-level cluster also ``flat:optimal`` and
             ``flat:single`` on the flat exchange; duplicates
-            and plans the model predicts over 1.5x its best are left out) and keeps the
+            and plans the model predicts over 1.5x its best are left out; every one
+            with ``min_sparse_numel``'s floor) and keeps the
             fastest by the slowest rank's step time. ``"model"``: the cost model's plan
             as is (with ``allow_dense=False`` this is the OMGS paper's algorithm,
             unchanged). Only ``strategy="optimal"`` has a full candidate set; another
@@ -539,6 +568,7 @@ class OMGSState:
         topology="auto",
         ranks_per_node=None,
         on_unapplied="rewind",
+        min_sparse_numel=None,
     ):
         self.density = _check_fraction("density", density)
         try:
@@ -577,6 +607,7 @@ class OMGSState:
         self._unapplied_streak = 0
         self._rewind_warned = False
         self.allow_dense = bool(allow_dense)
+        self.min_sparse_numel = _check_min_sparse_numel(min_sparse_numel, self.allow_dense)
         self.refit_online = bool(refit_online)
         if not isinstance(measured_comm, bool):
             raise ValueError(f"measured_comm must be True or False, got {measured_comm!r}")
@@ -947,6 +978,7 @@ class OMGSState:
             "replan_every": repr(self.replan_every),
             "measure_window": repr(self.meter.window),
             "allow_dense": repr(self.allow_dense),
+            "min_sparse_numel": repr(self.min_sparse_numel),
             "refit_online": repr(self.refit_online),
             "local_clip_norm": repr(self.local_clip_norm),
             "track_staleness": repr(self.track_staleness),
@@ -1589,6 +1621,7 @@ class OMGSState:
             topk=flat_work,
             dense=dense,
             tail_s=tail_s,
+            min_sparse_numel=self.min_sparse_numel,
         )
         # a two-level run: the base of its two-level plans, with the lines as they were
         # before the flat measurements (those scale the flat candidates' base only), and
@@ -2405,6 +2438,7 @@ class OMGSState:
             "strategy": self.strategy,
             "select": self.select,
             "allow_dense": self.allow_dense,
+            "min_sparse_numel": self.min_sparse_numel,
             "residuals": self.memory.state_dict(),
             "residuals_before_last_step": self._residuals_before_last_step(),
             "topology": self._saved_topology(),

@@ -31,7 +31,9 @@ their own rule (which looks at the sparse costs only) and then take, for those f
 groups, the sparse/dense modes that minimise the predicted iteration time - again
 exactly, with the same search restricted to the given group boundaries
 (:func:`best_modes`). Without a dense cost every group is sparse and all results are
-those of the sparse model.
+those of the sparse model. With a dense cost and ``min_sparse_numel``, every plan that
+:func:`make_plan` returns then sends its sparse groups of fewer elements dense
+(:func:`small_groups_dense`: a convergence guard applied after the search).
 
 Exactness and the safety valve: without a dense cost, up to :data:`EXACT_UNITS` (1000)
 units, ``optimal`` is always the exact optimum - two exact searches, forward over
@@ -105,6 +107,7 @@ __all__ = [
     "parse_strategy",
     "make_plan",
     "evaluate",
+    "small_groups_dense",
     "predicted_iteration_s",
     "greedy_groups",
     "threshold_groups",
@@ -219,7 +222,7 @@ def make_plan(inst: Instance, strategy: str = "optimal", start=None, budget=None
         raise TypeError(f"make_plan expects an Instance, got {type(inst).__name__}")
     strategy = parse_strategy(strategy)
     if inst.hierarchy is not None:
-        return _hierarchical_plan(inst, strategy)
+        return small_groups_dense(inst, _hierarchical_plan(inst, strategy))
     num_units = inst.num_units
     if strategy == "optimal":
         prefix_sums = _prefix_sums(inst)
@@ -229,9 +232,38 @@ def make_plan(inst: Instance, strategy: str = "optimal", start=None, budget=None
             known.append(np.arange(1, L + 1))
         bounds, modes = _search(inst, prefix_sums, known, boundaries=None,
                                 start=_start_plan(inst, start), valve_budget=budget)
-        return _finish(inst, strategy, _groups_from_bounds(bounds), modes)
-    groups = _rule_groups(inst, strategy, inst)
-    return _finish(inst, strategy, groups, best_modes(inst, groups))
+        plan = _finish(inst, strategy, _groups_from_bounds(bounds), modes)
+    else:
+        groups = _rule_groups(inst, strategy, inst)
+        plan = _finish(inst, strategy, groups, best_modes(inst, groups))
+    return small_groups_dense(inst, plan)
+
+
+def small_groups_dense(inst: Instance, plan: Plan) -> Plan:
+    """``plan`` with every sparse group of fewer than ``inst.min_sparse_numel`` elements
+    sent dense instead, re-simulated on ``inst`` (``plan`` itself where none is, or where
+    ``inst`` has no dense cost or no floor).
+
+    A convergence guard, not an optimisation: a small tensor alone in a sparse group -
+    a LayerNorm's gain, a bias - sends ``k`` of 1-3 of its entries a step, each entry
+    about every ``1 / density`` steps with that many steps of residual at once, which
+    momentum then repeats; the held-out language model of docs/convergence.md diverges
+    that way (LAGS-SGD's per-tensor top-k does the same without this hook). Sent dense,
+    such a group costs about what its sparse all-gather costs (both are the collective's
+    startup), and its entries are exact every step. The groups and the other groups'
+    modes are the plan's: :func:`make_plan` applies this to the plan its strategy chose
+    (so ``optimal`` is the model's optimum with its small groups made dense, not a new
+    search under the floor), and the measured selection to every candidate it times.
+    Plans whose modes are given (``evaluate`` with flags, a pinned plan) are not
+    changed."""
+    floor = inst.min_sparse_numel
+    if not floor or inst.dense is None:
+        return plan
+    numels = [sum(inst.layers[u].numel for u in group) for group in plan.groups]
+    dense = tuple(bool(d) or n < floor for d, n in zip(plan.dense, numels))
+    if dense == tuple(plan.dense):
+        return plan
+    return _finish(inst, plan.strategy, plan.groups, dense)
 
 
 def _start_plan(inst: Instance, start):
@@ -273,7 +305,8 @@ def evaluate(inst: Instance, groups, dense=None, strategy: str = "fixed") -> Pla
         inst: the instance.
         groups: contiguous runs of unit indices covering all units in ready order.
         dense: per-group booleans; ``None`` lets the planner choose the cheapest modes
-            when the instance has a dense cost (all sparse otherwise).
+            when the instance has a dense cost (all sparse otherwise), then applies the
+            instance's floor for sparse groups (:func:`small_groups_dense`).
         strategy: label stored in the returned plan.
 
     Raises :class:`~omgs_hook.cost_model.InstanceError` for malformed groups or flags.
@@ -282,9 +315,8 @@ def evaluate(inst: Instance, groups, dense=None, strategy: str = "fixed") -> Pla
         raise TypeError(f"evaluate expects an Instance, got {type(inst).__name__}")
     groups = check_groups(groups, inst.num_units)
     if dense is None:
-        modes = best_modes(inst, groups)
-    else:
-        modes = check_dense(dense, inst, len(groups))
+        return small_groups_dense(inst, _finish(inst, strategy, groups, best_modes(inst, groups)))
+    modes = check_dense(dense, inst, len(groups))
     return _finish(inst, strategy, groups, modes)
 
 

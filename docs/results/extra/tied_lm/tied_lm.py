@@ -7,7 +7,9 @@ and a LayerNorm of 128 elements. Next-token data: token t+1 = (7 token t + 3) mo
 
 Environment: LR (0.1), MOM (momentum, 0.9), RHO (density, 0.01), CAP (DDP bucket_cap_mb,
 1), DENSE (allow_dense, 1), STRAT (a fixed strategy with select="model"; unset: the
-default register()), PLAN (a pinned plan: groups of parameter names as JSON).
+default register()), PLAN (a pinned plan: groups of parameter names as JSON), PDENSE
+(the pinned plan's dense flags as JSON; unset: all sparse), FLOOR (min_sparse_numel;
+unset: the library's default).
 Prints the mean loss of the first and last 10 of 150 steps.
 """
 import json
@@ -60,6 +62,10 @@ def main(mode):
         fixed = {"strategy": env("STRAT", ""), "select": "model"} if env("STRAT", "") else {}
         if env("PLAN", ""):  # groups of parameter names, as JSON
             fixed = {"plan": {"group_keys": json.loads(env("PLAN", ""))}}
+            if env("PDENSE", ""):
+                fixed["plan"]["dense"] = json.loads(env("PDENSE", ""))
+        if env("FLOOR", ""):
+            fixed["min_sparse_numel"] = int(env("FLOOR", ""))
         state = omgs_hook.register(ddp, density=float(env("RHO", "0.01")),
                                    allow_dense=env("DENSE", "1") == "1", **fixed)
     opt = torch.optim.SGD(ddp.parameters(), lr=float(env("LR", "0.1")),
