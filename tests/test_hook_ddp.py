@@ -507,7 +507,10 @@ def changed_options_worker(rank, world_size, first, second, save_at, steps):
     stats = state.stats()
     out = {"saved_trial": saved.get("trial") is not None, "residual_loaded": residual_loaded,
            "history": [(h["step"], h["strategy"], h["reason"]) for h in stats["plan_history"]],
-           "trial": stats["selection"]["trial"], "log": [m for m in records if "options" in m]}
+           "trial": stats["selection"]["trial"], "log": [m for m in records if "options" in m],
+           "dense": stats["plan"]["dense"],
+           "group_numels": [sum(dict(model.named_parameters())[k].numel() for k in keys)
+                            for keys in stats["plan"]["group_keys"]]}
     del ddp, state
     gc.collect()
     return out
@@ -535,6 +538,25 @@ def test_resume_with_other_options_re_plans_and_keeps_the_residuals(change):
             assert r["saved_trial"], r
             assert all(h[2] not in ("trial", "trial winner") for h in after), r["history"]
             assert r["trial"] is None
+
+
+@pytest.mark.timeout(180)
+def test_resume_with_another_floor_re_plans_with_it():
+    # every parameter of Net is under 1024 elements
+    first = {"strategy": "layerwise", "select": "model", "min_sparse_numel": 0}
+    second = dict(first, min_sparse_numel=1024)
+    results = run_ranks("test_hook_ddp", "changed_options_worker", world_size=2,
+                        first=first, second=second, save_at=8, steps=24)
+    assert results[0]["history"] == results[1]["history"]
+    for r in results:
+        after = [h for h in r["history"] if h[0] >= 8]
+        assert after and r["log"], r["history"]
+        assert "min_sparse_numel 0 -> 1024" in " ".join(r["log"])
+        # the plan in use keeps the new floor (no sparse group under 1024 elements), and
+        # has a small group, sent dense
+        sizes = list(zip(r["group_numels"], r["dense"]))
+        assert all(dense or numel >= 1024 for numel, dense in sizes), sizes
+        assert any(dense and numel < 1024 for numel, dense in sizes), sizes
 
 
 @pytest.mark.timeout(120)
