@@ -147,6 +147,9 @@ def parse_args(argv=None):
              "does (default: the library's default)")
     add("--no-dense-groups", dest="allow_dense", action="store_false",
         help="omgs hooks: the same as --no-allow-dense (older spelling)")
+    add("--min-sparse-numel", type=int, default=None,
+        help="omgs hooks: with dense groups allowed, send sparse groups of fewer elements "
+             "dense (min_sparse_numel; 0 = off; default: the library's default, 1024)")
     add("--select", choices=SELECT_CHOICES, default=None,
         help="omgs hooks: how the plan is chosen: 'measured' (a short trial of candidate "
              "plans, the fastest measured one wins) or 'model' (the cost model's optimum); "
@@ -417,8 +420,8 @@ def bucket_cap_for(args, model):
 def hook_options(args):
     """Keyword options of ``omgs_hook.register`` for an omgs-based ``--hook``.
 
-    Options the user left unset (``--allow-dense``, ``--select``, ``--plan``) are not
-    passed, so the library's own defaults apply.
+    Options the user left unset (``--allow-dense``, ``--min-sparse-numel``, ``--select``,
+    ``--plan``) are not passed, so the library's own defaults apply.
     """
     strategy = args.strategy if args.hook == "omgs" and args.strategy else HOOK_STRATEGIES[args.hook]
     options = dict(
@@ -428,6 +431,8 @@ def hook_options(args):
         refit_online=args.refit_online, log_every=args.hook_log_every)
     if args.allow_dense is not None:
         options["allow_dense"] = args.allow_dense
+    if args.min_sparse_numel is not None:
+        options["min_sparse_numel"] = args.min_sparse_numel
     if args.select is not None:
         options["select"] = args.select
     if args.plan is not None:

@@ -186,7 +186,10 @@ def test_what_was_built_is_frozen_out_of_full_gc_passes_unless_asked_not_to(trai
 
 def test_unset_hook_options_are_left_to_the_library(train_script):
     options = train_script.hook_options(train_script.parse_args(["--hook", "omgs"]))
-    assert not {"allow_dense", "select", "plan"} & set(options)
+    assert not {"allow_dense", "min_sparse_numel", "select", "plan"} & set(options)
+    for value in (0, 4096):
+        args = train_script.parse_args(["--hook", "omgs", "--min-sparse-numel", str(value)])
+        assert train_script.hook_options(args)["min_sparse_numel"] == value
     assert options["strategy"] == "optimal"
     for argv, expected in ((["--no-allow-dense"], False), (["--no-dense-groups"], False),
                            (["--allow-dense"], True)):
