@@ -170,11 +170,21 @@ class _Normed(nn.Module):
         return self.norm(self.head(torch.relu(self.body(x))))
 
 
+def _dense_priced_out(world_size):
+    """The default profile with a dense all-reduce priced at a second: the model itself
+    never sends a group dense, so only the floor can (with ``measured_comm=False``, or
+    the warm-up's dense steps would rescale it)."""
+    from omgs_hook.profile_file import default_profile
+
+    return dataclasses.replace(default_profile("cpu", world_size), dense=LinearCost(1.0, 1e-6))
+
+
 def layerwise_worker(rank, world_size, allow_dense):
     torch.manual_seed(0)
     ddp = DDP(_Normed(), bucket_cap_mb=0)
     state = omgs_hook.register(ddp, density=0.01, strategy="layerwise", select="model",
-                               allow_dense=allow_dense, warmup_steps=1, log_every=0)
+                               allow_dense=allow_dense, warmup_steps=1, log_every=0,
+                               profile=_dense_priced_out(world_size), measured_comm=False)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(12):
@@ -201,12 +211,79 @@ def test_a_layernorm_alone_in_a_group_is_sent_dense_by_default(allow_dense):
     small = [dense for numel, dense in groups if numel < 1024]
     large = [dense for numel, dense in groups if numel >= 1024]
     assert len(small) == 3 and len(large) == 2  # body.bias 256, norm.weight, norm.bias
-    if allow_dense:
+    if allow_dense:  # (the model prices dense out: only the floor sends these dense)
         assert results[0]["min_sparse_numel"] == 1024
-        assert all(small)
-        # dense groups leave no residual: only the large tensors can keep one
-        assert set(results[0]["residual_keys"]) <= {"body.weight", "head.weight"}
+        assert all(small) and not any(large)
+        # dense groups leave no residual: only the large tensors keep one
+        assert results[0]["residual_keys"] == ["body.weight", "head.weight"]
     else:  # the paper's algorithm: every group sparse, every tensor its residual
         assert results[0]["min_sparse_numel"] == 0
         assert not any(small) and not any(large)
         assert len(results[0]["residual_keys"]) == 5
+
+
+# --------------------------------------- what the floor is for: training that diverged
+
+VOCAB = 2000
+
+
+class _TiedLM(nn.Module):
+    """docs/results/extra/tied_lm's model: an embedding tied to the output layer, a GRU
+    and a LayerNorm of 128 elements (its own group under ``layerwise``)."""
+
+    def __init__(self, dim=128):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.rnn = nn.GRU(dim, dim, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, VOCAB)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        h, _ = self.rnn(self.emb(x))
+        return self.out(self.norm(h))
+
+
+def _lm_batch(step, rank):
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    x = torch.randint(0, VOCAB, (16, 33), generator=g)
+    for t in range(1, 33):
+        x[:, t] = (x[:, t - 1] * 7 + 3) % VOCAB
+    return x[:, :-1], x[:, 1:]
+
+
+def tied_lm_worker(rank, world_size, floor, steps):
+    torch.manual_seed(0)
+    ddp = DDP(_TiedLM(), bucket_cap_mb=0)
+    options = {} if floor is None else {"min_sparse_numel": floor}
+    state = omgs_hook.register(ddp, density=0.01, strategy="layerwise", select="model",
+                               profile=_dense_priced_out(world_size), measured_comm=False,
+                               log_every=0, **options)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = _lm_batch(step, rank)
+        loss = nn.functional.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    plan = state.stats()["plan"]
+    state.close()
+    return {"last": sum(losses[-10:]) / 10, "first": sum(losses[:10]) / 10,
+            "dense": plan["dense"], "group_keys": plan["group_keys"]}
+
+
+@pytest.mark.timeout(240)
+def test_the_floor_turns_a_diverging_layerwise_run_into_a_training_one():
+    runs = {floor: run_ranks("test_sparse_floor", "tied_lm_worker", world_size=2,
+                             floor=floor, steps=150, timeout=200)[0]
+            for floor in (0, None)}
+    no_floor, default = runs[0], runs[None]
+    norm_groups = [i for i, keys in enumerate(default["group_keys"])
+                   if any(k.startswith("norm.") for k in keys)]
+    assert norm_groups and all(default["dense"][i] for i in norm_groups)
+    assert not any(no_floor["dense"])  # every group sparse: the LayerNorm's k is 2
+    # allreduce reaches 0.225 in these 150 steps; the sparse LayerNorm diverges (24.6)
+    assert no_floor["last"] > 5.0, no_floor
+    assert default["last"] < 1.0 < default["first"], default
