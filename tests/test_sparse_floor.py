@@ -196,9 +196,10 @@ def layerwise_worker(rank, world_size, allow_dense):
     groups = [(sum(sizes[k] for k in keys), dense)
               for keys, dense in zip(plan["group_keys"], plan["dense"])]
     residual_keys = sorted(state.state_dict()["residuals"])
+    summary = state.summary()
     state.close()
     return {"groups": groups, "residual_keys": residual_keys,
-            "min_sparse_numel": state.min_sparse_numel}
+            "min_sparse_numel": state.min_sparse_numel, "summary": summary}
 
 
 @pytest.mark.parametrize("allow_dense", [True, False])
@@ -216,10 +217,13 @@ def test_a_layernorm_alone_in_a_group_is_sent_dense_by_default(allow_dense):
         assert all(small) and not any(large)
         # dense groups leave no residual: only the large tensors keep one
         assert results[0]["residual_keys"] == ["body.weight", "head.weight"]
+        # and state.summary() says why each small group is dense
+        assert results[0]["summary"].count("under min_sparse_numel (1024)") == 3
     else:  # the paper's algorithm: every group sparse, every tensor its residual
         assert results[0]["min_sparse_numel"] == 0
         assert not any(small) and not any(large)
         assert len(results[0]["residual_keys"]) == 5
+        assert "min_sparse_numel" not in results[0]["summary"]
 
 
 # --------------------------------------- what the floor is for: training that diverged

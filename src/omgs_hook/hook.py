@@ -2337,6 +2337,9 @@ class OMGSState:
                         text += f", dense {costs.dense_comm_time(numel) * 1e3:.2f} ms (all-reduce)"
                     else:
                         text += ", dense not allowed"
+                if plan.dense[g] and numel < self.min_sparse_numel:
+                    text += (f"; under min_sparse_numel ({self.min_sparse_numel}): dense "
+                             "whatever it costs")
                 lines.append(text)
             last_trial = s["selection"]["last_trial"]
             if last_trial:
