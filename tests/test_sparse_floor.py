@@ -6,6 +6,9 @@ planner returns, and every candidate of the measured selection, sends such group
 """
 
 import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -228,37 +231,26 @@ def test_a_layernorm_alone_in_a_group_is_sent_dense_by_default(allow_dense):
 
 # --------------------------------------- what the floor is for: training that diverged
 
-VOCAB = 2000
+TIED_LM = (Path(__file__).resolve().parents[1]
+           / "docs" / "results" / "extra" / "tied_lm" / "tied_lm.py")
 
 
-class _TiedLM(nn.Module):
-    """docs/results/extra/tied_lm's model: an embedding tied to the output layer, a GRU
-    and a LayerNorm of 128 elements (its own group under ``layerwise``)."""
-
-    def __init__(self, dim=128):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, dim)
-        self.rnn = nn.GRU(dim, dim, batch_first=True)
-        self.norm = nn.LayerNorm(dim)
-        self.out = nn.Linear(dim, VOCAB)
-        self.out.weight = self.emb.weight
-
-    def forward(self, x):
-        h, _ = self.rnn(self.emb(x))
-        return self.out(self.norm(h))
-
-
-def _lm_batch(step, rank):
-    g = torch.Generator().manual_seed(step * 10 + rank)
-    x = torch.randint(0, VOCAB, (16, 33), generator=g)
-    for t in range(1, 33):
-        x[:, t] = (x[:, t - 1] * 7 + 3) % VOCAB
-    return x[:, :-1], x[:, 1:]
+def _tied_lm():
+    """docs/results/extra/tied_lm/tied_lm.py (the study's model and data), by path: an
+    embedding tied to the output layer, a GRU and a LayerNorm of 128 elements (its own
+    group under ``layerwise``)."""
+    if "tied_lm" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("tied_lm", TIED_LM)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["tied_lm"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["tied_lm"]
 
 
 def tied_lm_worker(rank, world_size, floor, steps):
+    lm = _tied_lm()
     torch.manual_seed(0)
-    ddp = DDP(_TiedLM(), bucket_cap_mb=0)
+    ddp = DDP(lm.LM(), bucket_cap_mb=0)
     options = {} if floor is None else {"min_sparse_numel": floor}
     state = omgs_hook.register(ddp, density=0.01, strategy="layerwise", select="model",
                                profile=_dense_priced_out(world_size), measured_comm=False,
@@ -266,8 +258,8 @@ def tied_lm_worker(rank, world_size, floor, steps):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(steps):
-        x, y = _lm_batch(step, rank)
-        loss = nn.functional.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
+        x, y = lm.data(step, rank)
+        loss = nn.functional.cross_entropy(ddp(x).reshape(-1, lm.VOCAB), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
