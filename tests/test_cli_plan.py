@@ -67,6 +67,19 @@ def test_dense_flags_only_when_the_instance_has_a_dense_cost(tmp_path, capsys):
     assert len(result["dense"]) == len(result["groups"])
 
 
+def test_an_instance_floor_sends_small_groups_dense(tmp_path, capsys):
+    # layerwise: the 300- and 1000-element units are groups of their own; the dense
+    # all-reduce is priced high, so only the floor sends them dense
+    data = dict(INSTANCE, dense={"alpha_s": 1.0, "beta_s_per_byte": 1e-6})
+    status, out, _ = run_main(capsys, [write(tmp_path, data), "--strategy", "layerwise"])
+    assert status == 0 and json.loads(out)["dense"] == [False] * 4
+    status, out, _ = run_main(capsys, [write(tmp_path, dict(data, min_sparse_numel=1024)),
+                                       "--strategy", "layerwise"])
+    assert status == 0 and json.loads(out)["dense"] == [True, False, True, False]
+    status, out, err = run_main(capsys, [write(tmp_path, dict(data, min_sparse_numel=-1))])
+    assert status == 2 and "min_sparse_numel" in err
+
+
 def test_list_in_list_out_from_stdin(capsys, monkeypatch):
     data = [INSTANCE, DENSE_INSTANCE, INSTANCE]
     status, out, _ = run_main(capsys, ["-", "--strategy", "greedy"], json.dumps(data), monkeypatch)
