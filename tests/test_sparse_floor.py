@@ -21,25 +21,16 @@ from omgs_hook import OMGSState, planner, plan_selection
 from omgs_hook.cost_model import (Instance, InstanceError, LinearCost, TopkCost, Unit,
                                   hierarchical_instance, relaxed_instance)
 from ddp_harness import run_ranks
+import test_planner
 
 STRATEGIES = ("optimal", "greedy", "layerwise", "single", "threshold:4000")
 
 
 def random_instance(seed, floor, num_units=12, dense=True):
-    """Units from a handful of elements to tens of thousands, so that small groups are
-    both in reach of every strategy and sometimes cheaper sparse than dense."""
-    rng = np.random.default_rng(seed)
-    layers = tuple(
-        Unit(int(rng.choice([int(rng.integers(1, 400)), int(rng.integers(400, 60_000))])),
-             float(rng.uniform(1e-5, 2e-3)))
-        for _ in range(num_units))
-    return Instance(
-        layers=layers, world_size=4, density=float(rng.choice([0.001, 0.01])),
-        forward_s=0.01, comm=LinearCost(float(rng.uniform(1e-4, 2e-3)), 2e-8),
-        topk=TopkCost(float(rng.uniform(1e-5, 3e-4)), 2e-9, 0.0),
-        dense=LinearCost(float(rng.uniform(1e-4, 2e-3)), float(rng.uniform(1e-9, 4e-8)))
-        if dense else None,
-        min_sparse_numel=floor)
+    """test_planner's wide-ranging instances (units of 1 to 2e7 elements, so that small
+    groups are in reach of every strategy), with the floor."""
+    inst = test_planner.random_instance(np.random.default_rng(seed), num_units, dense)
+    return dataclasses.replace(inst, min_sparse_numel=floor)
 
 
 def group_numels(inst, plan):

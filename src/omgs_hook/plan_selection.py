@@ -376,41 +376,35 @@ def model_candidates(inst: Instance, strategy: str, model_plan=None,
 def _own_candidates(inst, strategy, model_plan, exchange):
     """The candidate pool on the model's own exchange (``model_candidates``), unpruned.
 
-    The "sparse" candidates are planned without the dense cost, then get the instance's
-    floor for sparse groups (``inst.min_sparse_numel``: smaller groups sent dense,
-    :func:`~omgs_hook.planner.small_groups_dense`), as the model's own plan does: a trial
-    step is a training step, and a candidate that isolates a small tensor in a sparse
-    group can harm training in the few steps it runs, or win the trial."""
+    The "sparse" candidates are planned without the dense cost; every candidate then gets
+    the instance's floor for sparse groups (``inst.min_sparse_numel``: smaller groups
+    sent dense, :func:`~omgs_hook.planner.small_groups_dense`; the model's own plan and
+    the all-dense one have it already): a trial step is a training step, and a candidate
+    that isolates a small tensor in a sparse group can harm training in the few steps it
+    runs, or win the trial."""
     sparse_inst = dataclasses.replace(inst, dense=None) if inst.dense is not None else inst
-
-    def floored(plan):
-        return planner_mod.small_groups_dense(inst, plan)
-
-    pool = [Candidate.from_plan(strategy, model_plan, exchange)]
+    named = [(strategy, model_plan)]
     if strategy != "optimal":
         if any(model_plan.dense):
-            plan = floored(planner_mod.evaluate(sparse_inst, model_plan.groups,
-                                                [False] * len(model_plan.groups)))
-            pool.append(Candidate.from_plan(f"{strategy}-sparse", plan, exchange))
-        return pool
-    sparse_opt = planner_mod.make_plan(sparse_inst, "optimal")
-    pool.append(Candidate.from_plan("optimal-sparse", floored(sparse_opt), exchange))
-    if inst.dense is not None:
-        units = tuple((u,) for u in range(inst.num_units))
-        plan = planner_mod.evaluate(inst, units, [True] * len(units), strategy="all-dense")
-        pool.append(Candidate.from_plan("all-dense", plan, exchange))
-    for name in ("single", "layerwise", "greedy"):
-        plan = floored(planner_mod.make_plan(sparse_inst, name))
-        pool.append(Candidate.from_plan(name, plan, exchange))
-    neighbours = neighbour_plans(sparse_inst, sparse_opt.groups)
-    # one merge, then the coarser plans (what the model misses is mostly per group, so
-    # they are likelier winners than one more group), then one split
-    ordered = ([n for n in neighbours if len(n[1].groups) < len(sparse_opt.groups)]
-               + fewer_group_plans(sparse_inst, sparse_opt)
-               + [n for n in neighbours if len(n[1].groups) > len(sparse_opt.groups)])
-    for name, plan in ordered:
-        pool.append(Candidate.from_plan(name, floored(plan), exchange))
-    return pool
+            named.append((f"{strategy}-sparse", planner_mod.evaluate(
+                sparse_inst, model_plan.groups, [False] * len(model_plan.groups))))
+    else:
+        sparse_opt = planner_mod.make_plan(sparse_inst, "optimal")
+        named.append(("optimal-sparse", sparse_opt))
+        if inst.dense is not None:
+            units = tuple((u,) for u in range(inst.num_units))
+            named.append(("all-dense", planner_mod.evaluate(inst, units, [True] * len(units),
+                                                            strategy="all-dense")))
+        named += [(name, planner_mod.make_plan(sparse_inst, name))
+                  for name in ("single", "layerwise", "greedy")]
+        neighbours = neighbour_plans(sparse_inst, sparse_opt.groups)
+        # one merge, then the coarser plans (what the model misses is mostly per group,
+        # so they are likelier winners than one more group), then one split
+        named += ([n for n in neighbours if len(n[1].groups) < len(sparse_opt.groups)]
+                  + fewer_group_plans(sparse_inst, sparse_opt)
+                  + [n for n in neighbours if len(n[1].groups) > len(sparse_opt.groups)])
+    return [Candidate.from_plan(name, planner_mod.small_groups_dense(inst, plan), exchange)
+            for name, plan in named]
 
 
 def _median(values):
