@@ -54,6 +54,10 @@ def build(rank, fake_clock=True, **options):
     model = Net()
     ddp = DDP(model, bucket_cap_mb=0)
     options.setdefault("warmup_steps", 2)
+    # every parameter of Net is under 1024 elements: with the floor for sparse groups
+    # every candidate would be all dense, and the trials these tests are about could
+    # shrink to one candidate (tests/test_sparse_floor.py tests the floor)
+    options.setdefault("min_sparse_numel", 0)
     state = omgs_hook.register(ddp, density=DENSITY, **options)
     if fake_clock:
         state._clock = FakeClock(state, rank)
