@@ -196,6 +196,7 @@ def layerwise_worker(rank, world_size, allow_dense):
             "min_sparse_numel": state.min_sparse_numel, "summary": summary}
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("allow_dense", [True, False])
 def test_a_layernorm_alone_in_a_group_is_sent_dense_by_default(allow_dense):
     results = run_ranks("test_sparse_floor", "layerwise_worker", world_size=2,
