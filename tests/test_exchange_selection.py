@@ -317,7 +317,7 @@ def test_resume_during_a_trial_with_flat_candidates_is_bit_exact(tmp_path):
         assert ({k: v for k, v in a["plan"].items() if k != "predicted_iteration_s"}
                 == {k: v for k, v in b["plan"].items() if k != "predicted_iteration_s"})
         assert a["plan_history"] == b["plan_history"]
-        # (the first step after the resume has no previous bucket-0 arrival: one sample
+        # (the first step after the resume has no previous step end: one sample
         # fewer, by design)
         ta, tb = a["selection"]["last_trial"], b["selection"]["last_trial"]
         assert ta["winner"] == tb["winner"]

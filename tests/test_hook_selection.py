@@ -1,7 +1,7 @@
 """Measured plan selection and pinned plans under real DDP (gloo, CPU, 2 ranks).
 
 Step times are made deterministic with a fake clock per rank (``state._clock``, read at
-every arrival of bucket 0): it advances by a cost that depends on the plan in use and
+the end of every step): it advances by a cost that depends on the plan in use and
 on the rank, and rank 1's clock has another origin and rate. The decision must come
 from the gathered numbers, so both ranks pick the same winner: the plan whose *slowest*
 rank is fastest.
@@ -44,7 +44,7 @@ class FakeClock:
         self.rate = 1.0 + 0.5 * rank
 
     def __call__(self):
-        # called at bucket 0 of a step: the plan in use is still the previous step's
+        # called when a step ends: the plan in use is that step's
         self.now += self.rate * fake_cost(self.rank, self.state.plan)
         return self.now
 
@@ -731,8 +731,8 @@ def between_steps_worker(rank, world_size, steps, pause_every):
 
 @pytest.mark.timeout(150)
 def test_the_loops_own_work_between_steps_is_not_charged_to_a_trial_candidate():
-    """A pause between two steps (an evaluation, a checkpoint) lands in a bucket-0 to
-    bucket-0 interval, so it used to count as the step of whichever candidate was on
+    """A pause between two steps (an evaluation, a checkpoint) lands in the interval
+    from one step's end to the next one's, so it used to count as the step of whichever candidate was on
     trial then: in the README job the evaluation after the first epoch always fell on
     LAGS-SGD, which read 2-3x slower than it is. The gap's excess over the usual one is
     now left out: every candidate's measurement stays far below the pause."""
@@ -743,6 +743,48 @@ def test_the_loops_own_work_between_steps_is_not_charged_to_a_trial_candidate():
     measured = [c["measured_s"] for c in report["candidates"] if c.get("measured_s")]
     assert len(measured) >= 2
     assert max(measured) < 0.15, report["candidates"]
+
+
+def alternating_forward_worker(rank, world_size, steps, delay):
+    """Real clocks; at every step one of the two ranks (in turn) spends ``delay`` more in
+    its forward, so every step waits ``delay`` for one rank and the ranks' bucket-0
+    arrivals alternate between early and late."""
+    import time
+
+    model, ddp, state, opt = build(rank, fake_clock=False)
+    state._load_probe = lambda: 0.01  # the slow forwards are the steps' pace, not spells
+    forward, calls = model.forward, [0]
+
+    def slow_in_turn(x):
+        if (calls[0] + rank) % 2:
+            time.sleep(delay)
+        calls[0] += 1
+        return forward(x)
+
+    model.forward = slow_in_turn
+    train_steps(ddp, opt, 0, steps, rank)
+    stats = state.stats()
+    del ddp, state
+    gc.collect()
+    return {"stats": stats}
+
+
+@pytest.mark.timeout(150)
+def test_a_step_is_timed_from_the_previous_steps_end_not_from_bucket_0():
+    """Every step here takes about ``delay`` more than its compute (one rank is slow in
+    turn). A rank's bucket-0 to bucket-0 intervals alternate between the step's time
+    plus and minus ``delay``, so the slowest rank's read about ``2 * delay`` per step for
+    every candidate; the steps' ends come together on both ranks and read their pace."""
+    delay = 0.1
+    results = run_ranks("test_hook_selection", "alternating_forward_worker", world_size=2,
+                        steps=72, delay=delay, timeout=140)
+    report = results[0]["stats"]["selection"]["last_trial"]
+    assert report is not None and report == results[1]["stats"]["selection"]["last_trial"]
+    measured = [c["measured_s"] for c in report["candidates"] if c.get("measured_s")]
+    assert len(measured) >= 2
+    assert all(delay < m < 1.5 * delay for m in measured), report["candidates"]
+    for r in results:  # the model check's steps too
+        assert delay < r["stats"]["step_s"] < 1.5 * delay
 
 
 def failing_planner_worker(rank, world_size, steps):

@@ -38,8 +38,9 @@ compare a checksum; a mismatch raises.
 Measured selection (``select="measured"``, the default): the model's plan is only a
 proposal. After it the hook runs a bounded *trial* (:mod:`omgs_hook.plan_selection`): a
 few candidate plans, each for a few ordinary training steps on a schedule fixed by step
-number, timed by the interval between successive arrivals of bucket 0; the slowest
-rank's times, all-gathered, decide. The winner is kept until the model's inputs change.
+number, each timed from the previous step's end to its own (a step ends with its last
+collective, at about the same moment on every rank); the slowest rank's times,
+all-gathered, decide. The winner is kept until the model's inputs change.
 ``select="model"`` is the plain model plan (with ``allow_dense=False``: the paper's
 algorithm). ``plan=`` pins a plan: no re-planning, no trial.
 
@@ -683,7 +684,8 @@ class OMGSState:
         # the first step this state runs times the process group's first use of its
         # collectives (2-6x a later step's, 2 gloo ranks): never a sample of the network
         self._collectives_warm = False
-        # the plan in use against reality: this rank's (step, seconds) bucket-0 to bucket-0,
+        # the plan in use against reality: this rank's (step, seconds) from the previous
+        # step's end to this one's (:meth:`_on_step_finished`),
         # the step at which the plan in use is re-evaluated with its own steps' times, and
         # the result of that (stats()["model_check"])
         self._step_times = collections.deque(maxlen=measure_window)
@@ -693,10 +695,13 @@ class OMGSState:
         self._model_check = None
         # measured selection: the running trial, its GroupPlans and layout, the last
         # finished trial's report, the model plan the last trial started from
-        self._clock = time.perf_counter  # bucket-0 arrivals (tests inject a fake per rank)
+        self._clock = time.perf_counter  # step ends (tests inject a fake per rank)
         # the trial's load probe of the step in progress (tests inject a fake with the clock)
         self._load_probe = self.meter.forward_in_progress_s
-        self._bucket0 = None  # (step, clock) of the last bucket-0 arrival
+        self._step_end = None  # (step index, clock) of the last step's end
+        # (step index, seconds, the loop's excess gap in them) of the step that ended
+        # last, until the next step's bucket 0 records it
+        self._step_sample = None
         self._last_step_s = None
         self._trial = None
         self._trial_plans = []
@@ -1152,22 +1157,17 @@ class OMGSState:
         if not self._consistency_checked:
             self._check_consistency()
             self._consistency_checked = True
-        # a whole iteration, as this rank sees it: bucket 0 to bucket 0
-        now = self._clock()
-        previous, self._bucket0 = self._bucket0, (self.step, now)
-        if previous is not None and previous[0] == self.step - 1:
-            self._last_step_s = now - previous[1]
-            # What the plan costs leaves out a gap between the steps far above the usual
-            # one: the training loop's own work (an evaluation after an epoch took 180 ms
-            # in the README job, and it always fell on the same trial candidate)
-            # (the meter times the gaps on the host clock: only comparable with it)
-            step_s = self._last_step_s - (self.meter.tail_excess_s()
-                                          if self._clock is time.perf_counter else 0.0)
-            self._step_times.append((previous[0], step_s))
+        # the previous step's time (taken when it finished, :meth:`_on_step_finished`),
+        # recorded here, on the autograd thread, where the trial runs
+        sample, self._step_sample = self._step_sample, None
+        if sample is not None and sample[0] == self.step - 1:
+            index, self._last_step_s, excess = sample
+            step_s = self._last_step_s - excess
+            self._step_times.append((index, step_s))
             if self._trial is not None:
                 # the load probe: this step's forward, run after the previous step's
                 # exchange finished (compute only, whatever the plan)
-                self._trial.record(previous[0], step_s, self._load_probe())
+                self._trial.record(index, step_s, self._load_probe())
         probe, self._ready_probe = self._ready_probe, None
         if probe is not None:
             probe[1].wait()  # (issued on every rank at the same point: it completes)
@@ -1507,7 +1507,7 @@ class OMGSState:
         return self._device is None or self._device.type == "cpu"
 
     def _fresh_step_s(self):
-        """Median seconds per step (bucket 0 to bucket 0) over the steps the meter
+        """Median seconds per step (step end to step end) over the steps the meter
         prefers (those run with the plan in use), or None with fewer than 3 of them."""
         floor = self.meter.prefer_from_step
         times = [t for step, t in self._step_times if floor is None or step >= floor]
@@ -2072,6 +2072,23 @@ class OMGSState:
         if exchange.error is not None:
             return
         self.meter.step_finished(exchange.finish_wall)
+        # A whole iteration, as the cluster sees it: from the previous step's end (its
+        # last write-back) to this one's. A step ends with its last collective, at about
+        # the same moment on every rank, so the ranks agree on this time; bucket 0's
+        # arrival is each rank's own compute progress, and the slowest rank's bucket-0
+        # to bucket-0 time read 12% above the steps' real pace on 4 shaped ranks, with
+        # twice the step-to-step noise (docs/design.md, "The step's time").
+        now = self._clock()
+        index = exchange.step_number - 1
+        previous, self._step_end = self._step_end, (index, now)
+        if previous is not None and previous[0] == index - 1:
+            # What the plan costs leaves out a gap between the steps far above the usual
+            # one: the training loop's own work (an evaluation after an epoch took 180 ms
+            # in the README job, and it always fell on the same trial candidate). This
+            # step's forward began after the gap it reads (the meter times the gaps on
+            # the host clock: only comparable with it)
+            excess = self.meter.tail_excess_s() if self._clock is time.perf_counter else 0.0
+            self._step_sample = (index, now - previous[1], excess)
         # its measurements, fed to the meters by _ingest_finished; by the exchange the
         # step ran: a two-level run's flat steps (a flat trial candidate or winner)
         # measure the flat candidates' model
@@ -2193,8 +2210,8 @@ class OMGSState:
         ``"predicted_iteration_s"`` predicts), ``"median_iteration_s"`` (the median of
         those over the last 32 steps, of the plan in use's own steps once it has run 3:
         what ``summary()`` compares the prediction with), ``"step_s"`` (this rank's seconds
-        between the last two arrivals of bucket 0: a whole iteration, the trial's
-        measure; works without ``module``), ``"cost_correction"`` (what the last
+        from the end of the step before the last to the last step's end: a whole
+        iteration, the trial's measure; works without ``module``), ``"cost_correction"`` (what the last
         trial measured beyond the model - a constant, seconds per densely sent element,
         seconds per sparse group - added to the model at later re-plans;
         :class:`~omgs_hook.plan_selection.Correction`), ``"planner_wait_s"`` (how long the last
@@ -2591,7 +2608,7 @@ class OMGSState:
         self._settled_at = (None if sd.get("settled_at") is None or replan
                             else int(sd["settled_at"]))
         self._model_check = dict(sd["model_check"]) if sd.get("model_check") else None
-        self._bucket0 = None
+        self._step_end, self._step_sample = None, None
         if self._pinned is not None:
             self._restore_pinned(self.plan)
         self._planner.cancel()
