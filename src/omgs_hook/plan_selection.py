@@ -71,7 +71,8 @@ MAX_CANDIDATES = 7
 #: are measured once more. noise: the larger of the confirm samples' median relative
 #: deviation and the screen's turn-to-turn noise (how far one candidate's second screen
 #: turn moved against its first, beyond what every candidate moved). A trial reading
-#: sits 4-9% (quartiles) above the same plan's timed median on the shaped cluster, and
+#: sat 4-9% (quartiles) above the same plan's timed median on the shaped cluster (with
+#: steps timed between bucket-0 arrivals; docs/design.md, "Step time"), and
 #: consecutive steps of one turn share their load, so the spread within a turn
 #: understated the noise between turns: at N = 8, d = 0.001 it read 0.8% while `single`
 #: and the 3-group winner, 1.6% apart in the trial, ran 7% apart the other way
