@@ -713,14 +713,28 @@ def test_only_large_or_slow_planning_jobs_go_to_the_worker_process(monkeypatch):
     state.plan = None
 
 
-def between_steps_worker(rank, world_size, steps, pause_every):
-    """Real clocks; before every ``pause_every``-th step the loop sleeps 0.3 s, as an
-    evaluation after an epoch would, on both ranks."""
+def real_clock_worker(rank, world_size, steps, pause_every=None, slow_in_turn=None):
+    """Real clocks. ``pause_every``: before every ``pause_every``-th step the loop sleeps
+    0.3 s, as an evaluation after an epoch would, on both ranks. ``slow_in_turn``: at
+    every step one of the two ranks (in turn) spends that many seconds more in its
+    forward, so every step waits that long for one rank and the ranks' bucket-0
+    arrivals alternate between early and late."""
     import time
 
     model, ddp, state, opt = build(rank, fake_clock=False)
+    if slow_in_turn:
+        state._load_probe = lambda: 0.01  # the slow forwards are the steps' pace, not spells
+        forward, calls = model.forward, [0]
+
+        def forward_in_turn(x):
+            if (calls[0] + rank) % 2:
+                time.sleep(slow_in_turn)
+            calls[0] += 1
+            return forward(x)
+
+        model.forward = forward_in_turn
     for step in range(steps):
-        if step % pause_every == pause_every - 1:
+        if pause_every and step % pause_every == pause_every - 1:
             time.sleep(0.3)
         train_steps(ddp, opt, step, step + 1, rank)
     stats = state.stats()
@@ -732,41 +746,17 @@ def between_steps_worker(rank, world_size, steps, pause_every):
 @pytest.mark.timeout(150)
 def test_the_loops_own_work_between_steps_is_not_charged_to_a_trial_candidate():
     """A pause between two steps (an evaluation, a checkpoint) lands in the interval
-    from one step's end to the next one's, so it used to count as the step of whichever candidate was on
-    trial then: in the README job the evaluation after the first epoch always fell on
-    LAGS-SGD, which read 2-3x slower than it is. The gap's excess over the usual one is
-    now left out: every candidate's measurement stays far below the pause."""
+    from one step's end to the next one's, so it used to count as the step of whichever
+    candidate was on trial then: in the README job the evaluation after the first epoch
+    always fell on LAGS-SGD, which read 2-3x slower than it is. The gap's excess over the
+    usual one is now left out: every candidate's measurement stays far below the pause."""
     # (a trial of 5-6 candidates ends by step 19-30 here; steps for retakes under load)
-    results = run_ranks("test_hook_selection", "between_steps_worker", world_size=2,
+    results = run_ranks("test_hook_selection", "real_clock_worker", world_size=2,
                         steps=60, pause_every=4, timeout=140)
     report = results[0]["stats"]["selection"]["last_trial"]
     measured = [c["measured_s"] for c in report["candidates"] if c.get("measured_s")]
     assert len(measured) >= 2
     assert max(measured) < 0.15, report["candidates"]
-
-
-def alternating_forward_worker(rank, world_size, steps, delay):
-    """Real clocks; at every step one of the two ranks (in turn) spends ``delay`` more in
-    its forward, so every step waits ``delay`` for one rank and the ranks' bucket-0
-    arrivals alternate between early and late."""
-    import time
-
-    model, ddp, state, opt = build(rank, fake_clock=False)
-    state._load_probe = lambda: 0.01  # the slow forwards are the steps' pace, not spells
-    forward, calls = model.forward, [0]
-
-    def slow_in_turn(x):
-        if (calls[0] + rank) % 2:
-            time.sleep(delay)
-        calls[0] += 1
-        return forward(x)
-
-    model.forward = slow_in_turn
-    train_steps(ddp, opt, 0, steps, rank)
-    stats = state.stats()
-    del ddp, state
-    gc.collect()
-    return {"stats": stats}
 
 
 @pytest.mark.timeout(150)
@@ -776,8 +766,8 @@ def test_a_step_is_timed_from_the_previous_steps_end_not_from_bucket_0():
     plus and minus ``delay``, so the slowest rank's read about ``2 * delay`` per step for
     every candidate; the steps' ends come together on both ranks and read their pace."""
     delay = 0.1
-    results = run_ranks("test_hook_selection", "alternating_forward_worker", world_size=2,
-                        steps=72, delay=delay, timeout=140)
+    results = run_ranks("test_hook_selection", "real_clock_worker", world_size=2,
+                        steps=72, slow_in_turn=delay, timeout=140)
     report = results[0]["stats"]["selection"]["last_trial"]
     assert report is not None and report == results[1]["stats"]["selection"]["last_trial"]
     measured = [c["measured_s"] for c in report["candidates"] if c.get("measured_s")]

@@ -2211,8 +2211,9 @@ class OMGSState:
         those over the last 32 steps, of the plan in use's own steps once it has run 3:
         what ``summary()`` compares the prediction with), ``"step_s"`` (this rank's seconds
         from the end of the step before the last to the last step's end: a whole
-        iteration, the trial's measure; works without ``module``), ``"cost_correction"`` (what the last
-        trial measured beyond the model - a constant, seconds per densely sent element,
+        iteration, the trial's measure; works without ``module``),
+        ``"cost_correction"`` (what the last trial measured beyond the model - a
+        constant, seconds per densely sent element,
         seconds per sparse group - added to the model at later re-plans;
         :class:`~omgs_hook.plan_selection.Correction`), ``"planner_wait_s"`` (how long the last
         switch to a background-computed plan waited for the planner thread: the stall
