@@ -2076,8 +2076,8 @@ class OMGSState:
         # last write-back) to this one's. A step ends with its last collective, at about
         # the same moment on every rank, so the ranks agree on this time; bucket 0's
         # arrival is each rank's own compute progress, and the slowest rank's bucket-0
-        # to bucket-0 time read 12% above the steps' real pace on 4 shaped ranks, with
-        # twice the step-to-step noise (docs/design.md, "The step's time").
+        # to bucket-0 time read 10-14% above the steps' real pace on 4 shaped ranks,
+        # with about twice the step-to-step noise (docs/design.md, "Step time").
         now = self._clock()
         index = exchange.step_number - 1
         previous, self._step_end = self._step_end, (index, now)
