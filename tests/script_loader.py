@@ -13,9 +13,15 @@ def load_script(name):
     By path rather than by putting scripts/ on sys.path: that folder holds profile.py,
     and the test session should import the standard library's modules by their names.
     """
+    return load_file(name, SCRIPTS / f"{name}.py")
+
+
+def load_file(name, path):
+    """Load the Python file ``path`` as module ``name`` (once per session: a later call
+    with the same name returns the module loaded first)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

@@ -6,8 +6,6 @@ planner returns, and every candidate of the measured selection, sends such group
 """
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,7 @@ from omgs_hook import OMGSState, planner, plan_selection
 from omgs_hook.cost_model import (Instance, InstanceError, LinearCost, TopkCost, Unit,
                                   hierarchical_instance, relaxed_instance)
 from ddp_harness import run_ranks
+from script_loader import load_file
 import test_planner
 
 STRATEGIES = ("optimal", "greedy", "layerwise", "single", "threshold:4000")
@@ -231,12 +230,7 @@ def _tied_lm():
     """docs/results/extra/tied_lm/tied_lm.py (the study's model and data), by path: an
     embedding tied to the output layer, a GRU and a LayerNorm of 128 elements (its own
     group under ``layerwise``)."""
-    if "tied_lm" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("tied_lm", TIED_LM)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["tied_lm"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["tied_lm"]
+    return load_file("tied_lm", TIED_LM)
 
 
 def tied_lm_worker(rank, world_size, floor, steps):

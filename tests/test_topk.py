@@ -523,14 +523,11 @@ def test_torch_backends_on_cuda(name):
 
 def test_bench_script_smoke(tmp_path):
     """scripts/bench_topk.py runs end to end on tiny sizes and writes both outputs."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_topk.py"
-    spec = importlib.util.spec_from_file_location("bench_topk", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from script_loader import load_script
+
+    bench = load_script("bench_topk")
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
     assert bench.main(["--sizes", "4e4,5e4", "--densities", "0.01", "--reps", "1",
                        "--warmup", "0", "--out-json", str(out_json), "--out-md", str(out_md)]) == 0
