@@ -18,6 +18,7 @@ whether the benchmark's interleaved rounds change the default's step time.
 """
 
 import datetime
+import gc
 import json
 import statistics
 import sys
@@ -83,6 +84,8 @@ def pace(steps, out):
                        "end": [g[1].tolist() for g in gathered],
                        "loop": [g[2].tolist() for g in gathered],
                        "trial": state.stats()["selection"]["last_trial"]}, handle)
+    del variant, state  # (the DDP model before the process group: gloo can abort otherwise)
+    gc.collect()
     dist.destroy_process_group()
 
 
@@ -119,6 +122,8 @@ def interleave():
         print(f"default alone, steps 80-110: {1e3 * statistics.median(alone[80:]):.1f} ms; "
               f"interleaved: {1e3 * statistics.median(mixed):.1f} ms; alone again: "
               f"{1e3 * statistics.median(again):.1f} ms")
+    del variants, default, other
+    gc.collect()
     dist.destroy_process_group()
 
 
