@@ -551,13 +551,17 @@ def synthetic_batches(config, rank):
 
 
 def run_step(variant, batch):
-    """One training step; returns (iteration_s, optimizer_s, topk_s, hook_s) on this rank."""
+    """One training step; returns (iteration_s, optimizer_s, topk_s, hook_s, forward_s)
+    on this rank (forward_s: the forward pass, compute only whatever the variant: the
+    host's pace, :func:`paced_medians`)."""
     import torch.nn.functional as F
 
     inputs, targets = batch
     started = time.perf_counter()
     with variant.net.no_sync() if variant.local_only else contextlib.nullcontext():
-        loss = F.cross_entropy(variant.net(inputs), targets)
+        outputs = variant.net(inputs)
+        forwarded = time.perf_counter()
+        loss = F.cross_entropy(outputs, targets)
         variant.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # returns once DDP has the averaged gradients (all futures done)
     backward_done = time.perf_counter()
@@ -571,7 +575,7 @@ def run_step(variant, batch):
         # the hook's own per-step timers: host seconds in top-k and in its per-bucket calls
         last = variant.hook_state.stats()["last"] or {}
         topk, hook = last.get("topk_s", 0.0), last.get("hook_s", 0.0)
-    return finished - started, finished - backward_done, topk, hook
+    return finished - started, finished - backward_done, topk, hook, forwarded - started
 
 
 def slowest_rank(rows):
@@ -917,12 +921,43 @@ def quantile(values, q):
 
 
 # the columns of a step's row, as run_step returns it
-STEP_COLUMNS = ("iteration_s", "optimizer_s", "topk_s", "hook_s")
+STEP_COLUMNS = ("iteration_s", "optimizer_s", "topk_s", "hook_s", "forward_s")
 
 
 def step_columns(rows, prefix=""):
-    """``{prefix + column: [value per row]}`` for the :data:`STEP_COLUMNS` of ``rows``."""
-    return {prefix + key: [r[at] for r in rows] for at, key in enumerate(STEP_COLUMNS)}
+    """``{prefix + column: [value per row]}`` for the :data:`STEP_COLUMNS` of ``rows``
+    (a column the rows lack - rows of an older run - is left out)."""
+    return {prefix + key: [r[at] for r in rows] for at, key in enumerate(STEP_COLUMNS)
+            if all(len(r) > at for r in rows)}
+
+
+# a step's pace is clamped to [1 / PACE_CLAMP, PACE_CLAMP] (the trial's spell factor)
+PACE_CLAMP = 1.3
+
+
+def paced_medians(variants):
+    """Per variant, the median of its timed steps each divided by its *pace*: the
+    slowest rank's forward of that step over the median forward of every variant's
+    timed steps in the run (clamped to ``[1 / PACE_CLAMP, PACE_CLAMP]``). The forward is
+    compute only and the same for every variant, so the pace is the host's speed at that
+    step: on 2 cores the host runs in phases 20-30% apart that last about ten steps, and
+    a variant whose rounds fell in slow ones read slow (docs/design.md, "Pace"). The
+    measured selection divides its trial's steps the same way. Empty for a run without
+    forwards (before this column)."""
+    forwards = [x for v in variants.values() for x in v.get("forward_s") or []]
+    if not forwards:
+        return {}
+    reference = statistics.median(forwards)
+    if not reference > 0:
+        return {}
+    out = {}
+    for name, v in variants.items():
+        times, fwd = v.get("iteration_s") or [], v.get("forward_s") or []
+        if not times or len(fwd) != len(times):
+            continue
+        out[name] = statistics.median(
+            t / min(PACE_CLAMP, max(1.0 / PACE_CLAMP, f / reference)) for t, f in zip(times, fwd))
+    return out
 
 
 def summarise_times(rows):
@@ -977,6 +1012,16 @@ def analyse(result):
             out["replayed_s"] = replayed
             out["replayed_prediction_error"] = (replayed - omgs) / omgs
     out.update(analyse_default(variants))
+    paced = paced_medians(variants)
+    if paced:
+        # the same comparisons with every step divided by the host's pace at it
+        figures = analyse_default({n: {**v, "median_s": paced[n]} for n, v in variants.items()
+                                   if n in paced})
+        out["paced"] = {"median_s": paced, **{
+            k: figures[k] for k in ("default_vs_best_peer", "default_best_peer",
+                                    "default_slowdown", "default_worst_candidate",
+                                    "default_worst_slowdown", "fastest_candidate",
+                                    "default_vs_powersgd", "aa_difference") if k in figures}}
     return out
 
 
@@ -1555,6 +1600,19 @@ def render_default_targets(results):
                    "with the control, a speed-ratio target is met or missed only by more than "
                    f"that difference, in either direction; closer, it reads `{WITHIN_NOISE}`: "
                    "the run cannot tell the outcome from luck.")
+    paced = [(f"{r['model']} N={r['nodes']} d={r['density']:g}{_dense_note(r)}",
+              r["analysis"]["paced"]) for r in results if r["analysis"].get("paced")]
+    if paced:
+        out.append("")
+        out.append("Paced (every timed step divided by the host's pace at it: its forward over "
+                   "the run's median forward, clamped to "
+                   f"[1/{PACE_CLAMP:g}, {PACE_CLAMP:g}]; `paced_medians`, the rule the trial "
+                   "uses): " + "; ".join(
+                       f"{n}: default vs best TopK/LAGS {_x(p.get('default_vs_best_peer'))}, "
+                       f"worst candidate {p.get('default_worst_candidate', '-')} "
+                       f"{_pct(p['default_worst_slowdown']) if 'default_worst_slowdown' in p else '-'}, "
+                       f"A/A {_pct(p['aa_difference']) if 'aa_difference' in p else '-'}"
+                       for n, p in paced) + ". (Runs before this column have no forwards.)")
     out.append("")
     out.append("### Prediction error per strategy\n")
     out.append("(predicted - measured) / measured of the median step, `predicted` as above "

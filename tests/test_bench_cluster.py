@@ -75,6 +75,37 @@ def test_summarise_times_uses_the_iteration_column():
     assert s["timed_steps"] == 3
 
 
+def test_paced_medians_divide_each_step_by_the_hosts_pace():
+    """``topk`` is 10% faster than ``default`` but all its steps ran in a slow phase
+    (forwards 20% above the run's median): raw it reads slower, paced faster."""
+    quick, slow = 0.05, 0.06
+    rows = {"default": [(0.110, 0.0, 0.0, 0.0, quick)] * 4 + [(0.100, 0.0, 0.0, 0.0, quick)],
+            "topk": [(0.100 * 1.2, 0.0, 0.0, 0.0, slow)] * 5,
+            "topk_again": [(0.100, 0.0, 0.0, 0.0, quick)] * 5,
+            "powersgd": [(0.2, 0.0, 0.0, 0.0, quick)] * 5}
+    variants = {n: bench.summarise_times(r) for n, r in rows.items()}
+    assert variants["topk"]["forward_s"] == [slow] * 5
+    paced = bench.paced_medians(variants)
+    # the run's median forward is the quick one
+    assert paced["default"] == pytest.approx(0.110)
+    assert paced["topk"] == pytest.approx(0.100)
+    assert paced["topk_again"] == pytest.approx(0.100)
+    # a pace beyond the clamp (a spell) is clamped
+    spell = bench.paced_medians({"x": {"iteration_s": [0.2], "forward_s": [9.0]},
+                                 "y": {"iteration_s": [0.1] * 2, "forward_s": [quick] * 2}})
+    assert spell["x"] == pytest.approx(0.2 / bench.PACE_CLAMP) and spell["y"] == 0.1
+    a = bench.analyse({**_result(), "variants": variants})
+    assert a["default_vs_best_peer"] == pytest.approx(0.120 / 0.110)  # raw: ahead
+    assert a["paced"]["default_best_peer"] == "topk"
+    assert a["paced"]["default_vs_best_peer"] == pytest.approx(0.100 / 0.110)
+    assert a["paced"]["aa_difference"] == pytest.approx(0.0)
+    assert a["aa_difference"] == pytest.approx(0.100 / 0.120 - 1)
+    # rows of a run before the forward column: no paced figures
+    old = {n: bench.summarise_times([r[:4] for r in rs]) for n, rs in rows.items()}
+    assert "forward_s" not in old["topk"] and bench.paced_medians(old) == {}
+    assert "paced" not in bench.analyse({**_result(), "variants": old})
+
+
 def test_analyse_speedups_and_prediction_error():
     a = bench.analyse(_result())
     assert a["best_sparse_peer"] == "lags"

@@ -167,9 +167,10 @@ class SpellClock(FakeClock):
         return 0.02 if self.in_spell else 0.01
 
 
-def spell_worker(rank, world_size, steps, spell_factor):
+def spell_worker(rank, world_size, steps, spell_factor, adjust_pace=True):
     from omgs_hook import plan_selection
-    plan_selection.SPELL_FACTOR = spell_factor  # (the Trial's default, read at its creation)
+    plan_selection.SPELL_FACTOR = spell_factor  # (the Trial's defaults, read at its creation)
+    plan_selection.ADJUST_PACE = adjust_pace
     model, ddp, state, opt = build(rank)
     clock = state._clock = SpellClock(state, rank)
     state._load_probe = clock.probe
@@ -183,8 +184,11 @@ def spell_worker(rank, world_size, steps, spell_factor):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("guard", [True, False])
 def test_a_load_spell_in_the_trial_is_seen_by_the_probe_and_retaken(guard):
+    # (without the guard the pace is off too: it would divide the spell's steps by their
+    # doubled forwards)
     results = run_ranks("test_hook_selection", "spell_worker", world_size=2, steps=70,
-                        spell_factor=plan_selection.SPELL_FACTOR if guard else 1e9)
+                        spell_factor=plan_selection.SPELL_FACTOR if guard else 1e9,
+                        adjust_pace=guard)
     stats = [r["stats"] for r in results]
     report = stats[0]["selection"]["last_trial"]
     assert report is not None and report == stats[1]["selection"]["last_trial"]
@@ -217,6 +221,74 @@ def test_a_load_spell_in_the_trial_is_seen_by_the_probe_and_retaken(guard):
     # the hook's real probe on CPU: this step's forward, measured at bucket 0
     for r in results:
         assert r["real"] and all(x is not None and 0 < x < 5 for x in r["real"]), r["real"]
+
+
+class PhaseClock(FakeClock):
+    """FakeClock with a slow phase of the host over every step of the trial's would-be
+    winner: its steps take 1.25x as long, and so do their forwards (10 ms otherwise).
+    The forward the hook asks for at bucket 0 of step N is step N's."""
+
+    def __init__(self, state, rank):
+        super().__init__(state, rank)
+        self.victim = None
+
+    def _victim(self):
+        trial = self.state._trial
+        if trial is not None and self.victim is None:
+            self.victim = expected_winner(trial.report(), 2)[0]
+        return self.victim
+
+    def __call__(self):
+        plan = self.state.plan
+        slow = plan is not None and self.state._trial is not None and \
+            plan.strategy == self._victim()
+        self.now += self.rate * fake_cost(self.rank, plan) * (1.25 if slow else 1.0)
+        return self.now
+
+    def probe(self):
+        trial = self.state._trial
+        index = None if trial is None else trial.candidate_at(self.state.step)
+        slow = index is not None and trial.candidates[index].name == self._victim()
+        return 0.0125 if slow else 0.01
+
+
+def phase_worker(rank, world_size, steps, adjust_pace):
+    plan_selection.ADJUST_PACE = adjust_pace
+    model, ddp, state, opt = build(rank)
+    clock = state._clock = PhaseClock(state, rank)
+    state._load_probe = clock.probe
+    train_steps(ddp, opt, 0, steps, rank)
+    stats = state.stats()
+    del ddp, state
+    gc.collect()
+    return {"stats": stats, "victim": clock.victim}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("adjust_pace", [True, False])
+def test_a_step_is_divided_by_the_pace_of_its_own_forward(adjust_pace):
+    """The host runs the would-be winner's steps 25% slow, their forwards too. With the
+    pace every candidate's measurement is its quiet time: each step was divided by its
+    own forward's pace (the next step's forward belongs to another candidate's turn at
+    every screen turn's end), and the winner is the fastest plan."""
+    results = run_ranks("test_hook_selection", "phase_worker", world_size=2, steps=62,
+                        adjust_pace=adjust_pace)
+    stats = [r["stats"] for r in results]
+    report = stats[0]["selection"]["last_trial"]
+    assert report is not None and report == stats[1]["selection"]["last_trial"]
+    victim = results[0]["victim"]
+    assert victim is not None and len(report["candidates"]) >= 2
+    _, slowest = expected_winner(report, 2)
+    for entry, quiet in zip(report["candidates"], slowest):
+        phase = 1.25 if entry["name"] == victim else 1.0
+        if adjust_pace:
+            assert entry["pace"] == pytest.approx(phase), entry
+            assert entry["measured_s"] == pytest.approx(quiet, rel=1e-6), entry
+        else:
+            assert entry["pace"] == 1.0
+            assert entry["measured_s"] == pytest.approx(quiet * phase, rel=1e-6), entry
+    if adjust_pace:
+        assert report["winner"] == victim
 
 
 @pytest.mark.timeout(180)

@@ -36,10 +36,11 @@ def cand(name, groups, dense=None, predicted=1.0):
     return Candidate(name, groups, tuple(dense or [False] * len(groups)), predicted)
 
 
-def run_round(trial, step_times, first_step=None, probe=None, extra=None):
+def run_round(trial, step_times, first_step=None, probe=None, extra=None, forward=None):
     """Drive one round as the hook does: times[rank][candidate index] -> seconds per step,
     plus ``extra(rank, step)`` seconds when given, with load probes ``probe(rank, step)``
-    (None: no probe). Returns the step after the round (where finish_round was called)."""
+    and the steps' own forwards ``forward(rank, step)`` (None: none). Returns the step
+    after the round (where finish_round was called)."""
     step = trial.round_start if first_step is None else first_step
     ranks = len(step_times)
     rows = [None] * ranks
@@ -55,9 +56,11 @@ def run_round(trial, step_times, first_step=None, probe=None, extra=None):
     for r in range(ranks):
         trial.local = trial._empty_local()
         trial.local_probe = trial._empty_local()
+        trial.local_forward = trial._empty_local()
         for s in range(start, step):
             seconds = step_times[r][trial.candidate_at(s)] + (extra(r, s) if extra else 0.0)
-            trial.record(s, seconds, probe(r, s) if probe else None)
+            trial.record(s, seconds, probe(r, s) if probe else None,
+                         forward=forward(r, s) if forward else None)
         rows[r] = trial.local_row()
     return step, rows
 
@@ -375,12 +378,16 @@ def test_schedule_settles_then_measures_each_candidate_in_order():
     assert trial.round_end == 22 and not trial.round_complete(21) and trial.round_complete(22)
     # only counted steps are kept; settle steps and steps outside the round are ignored
     for s in range(5, 30):
-        trial.record(s, float(s), probe=s / 100 if s % 2 else None)
+        trial.record(s, float(s), probe=s / 100 if s % 2 else None,
+                     forward=s / 1000 if s % 3 else None)
     row = trial.local_row()
     assert row[:9] == [11.0, 12.0, 13.0, 15.0, 16.0, 17.0, 19.0, 20.0, 21.0]
     # then the same steps' load probes (NaN where the hook had none)
-    assert row[9:] == pytest.approx([0.11, math.nan, 0.13, 0.15, math.nan, 0.17, 0.19,
-                                     math.nan, 0.21], nan_ok=True)
+    assert row[9:18] == pytest.approx([0.11, math.nan, 0.13, 0.15, math.nan, 0.17, 0.19,
+                                       math.nan, 0.21], nan_ok=True)
+    # then their own forwards (the pace)
+    assert row[18:] == pytest.approx([0.011, math.nan, 0.013, math.nan, 0.016, 0.017,
+                                      0.019, 0.020, math.nan], nan_ok=True)
 
 
 def test_the_screen_runs_every_candidate_forward_then_backward():
@@ -447,10 +454,13 @@ def test_bad_trial_arguments():
         with pytest.raises(ValueError, match="screen_passes"):
             Trial([cand("a", [[0]])], 0, screen_passes=bad)
     trial = Trial([cand("a", [[0]]), cand("b", [[0, 1]])], 0, measure=3, screen_passes=1)
-    with pytest.raises(ValueError, match="rows of 12"):
+    with pytest.raises(ValueError, match="rows of 18"):
         trial.finish_round([[1.0] * 5], 8)
-    with pytest.raises(ValueError, match="rows of 12"):  # ranks must agree on the width
+    with pytest.raises(ValueError, match="rows of 18"):  # ranks must agree on the width
         trial.finish_round([[1.0] * 6, [1.0] * 12], 8)
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="adjust_pace"):
+            Trial([cand("a", [[0]])], 0, adjust_pace=bad)
     with pytest.raises(ValueError, match="spell_factor"):
         Trial([cand("a", [[0]])], 0, spell_factor=1.0)
     with pytest.raises(ValueError, match="max_retakes"):
@@ -823,13 +833,86 @@ def test_state_dict_round_trip_during_a_retake_continues_identically():
     assert run_trial(Trial.from_state_dict(old), times)["winner"] == "sparse"
 
 
+PHASED = dict(screen_passes=1, measure=2, confirm=2)
+
+
+def _phased_host(adjust, trial=None):
+    """Two candidates on 2 ranks: ``b`` is 5% slower than ``a``, but every turn of
+    ``a`` runs in a slow phase of the host (its forwards, and the compute of its steps,
+    20% slower) and every turn of ``b`` in a quick one. Returns the finished trial."""
+    if trial is None:
+        trial = Trial([cand("a", [[0, 1]]), cand("b", [[0], [1]])], 0, adjust_pace=adjust,
+                      **PHASED)
+    base = [[1.0, 1.05], [1.0, 1.05]]
+    slow = {0: 1.2, 1: 1.0}
+
+    def extra(rank, step):  # the whole step slows with the host (compute-bound)
+        index = trial.candidate_at(step)
+        return base[rank][index] * (slow[index] - 1.0)
+
+    def forward(rank, step):
+        return 0.3 * slow[trial.candidate_at(step)] * (1.0 + 0.01 * rank)
+
+    step = 0
+    while not trial.done:
+        step, rows = run_round(trial, base, first_step=step, extra=extra, forward=forward)
+        trial.finish_round(rows, step)
+    return trial
+
+
+def test_each_step_is_divided_by_its_pace():
+    """The forward of a step tells how fast the host ran it: without the pace the
+    slow phase picks the slower plan, with it the faster one wins."""
+    fooled = _phased_host(adjust=False)
+    assert fooled.report()["winner"] == "b"
+    paced = _phased_host(adjust=True)
+    report = paced.report()
+    assert report["winner"] == "a"
+    by_name = {c["name"]: c for c in report["candidates"]}
+    # each rank's median forward is the reference: a's steps ran at 1.2 / 1.1 of it
+    assert by_name["a"]["pace"] == pytest.approx(1.2 / 1.1)
+    assert by_name["b"]["pace"] == pytest.approx(1.0 / 1.1)
+    assert by_name["a"]["measured_s"] == pytest.approx(1.2 * 1.1 / 1.2)
+    assert by_name["b"]["measured_s"] == pytest.approx(1.05 * 1.1)
+    # without forwards (NaN, e.g. on CUDA) nothing is divided
+    plain = Trial([cand("a", [[0, 1]]), cand("b", [[0], [1]])], 0, **PHASED)
+    step, rows = run_round(plain, [[1.0, 1.05]])
+    plain.finish_round(rows, step)
+    assert all(c["pace"] == 1.0 for c in plain.report()["candidates"])
+
+
+def test_a_pace_beyond_the_spell_factor_is_clamped_to_it():
+    times = [[1.0, 1.0]]
+    trial = Trial([cand("a", [[0, 1]]), cand("b", [[0], [1]])], 0, screen_passes=1,
+                  measure=3, spell_factor=1.5)
+    step, rows = run_round(trial, times, forward=lambda r, s: 9.0 if s == 1 else 1.0)
+    trial.finish_round(rows, step)
+    # a's three samples: 1.0, then one with a forward 9x the median (clamped to 1.5)
+    assert trial.samples[0] == pytest.approx([1.0 / 1.5, 1.0, 1.0])
+    assert trial.paces[0] == pytest.approx([1.5, 1.0, 1.0])
+
+
+def test_a_trial_saved_before_the_pace_goes_on_without_it():
+    new = Trial([cand("a", [[0, 1]]), cand("b", [[0], [1]])], 0, **PHASED)
+    old = {k: v for k, v in new.state_dict().items()
+           if k not in ("adjust_pace", "forwards", "paces", "local_forward")}
+    restored = Trial.from_state_dict(old)
+    assert restored.adjust_pace is False
+    assert all(math.isnan(x) for r in restored.local_forward for x in r)
+    # it decides as it would have before: the phases fool it
+    assert _phased_host(adjust=None, trial=restored).report()["winner"] == "b"
+    # a state with the pace round-trips
+    saved = _phased_host(adjust=True).state_dict()
+    assert Trial.from_state_dict(saved).state_dict() == saved
+
+
 def test_rows_without_probes_are_the_plain_trial():
     times = [[1.0, 1.01, 1.5], [1.2, 1.19, 1.4]]
     a, b = Trial(three(), 0), Trial(three(), 0)
     step = 0
     while not a.done:
         step, rows = run_round(a, times, first_step=step)
-        half = [r[:len(r) // 2] for r in rows]  # a caller that sends times only
+        half = [r[:len(r) // 3] for r in rows]  # a caller that sends times only
         assert a.finish_round(rows, step) == b.finish_round(half, step)
     assert a.report() == b.report()
 

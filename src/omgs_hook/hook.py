@@ -702,6 +702,9 @@ class OMGSState:
         # (step index, seconds, the loop's excess gap in them) of the step that ended
         # last, until the next step's bucket 0 records it
         self._step_sample = None
+        # (step index, seconds) of the forward of the step in progress, during a trial:
+        # the next step's record divides its time by its pace (plan_selection, "Pace")
+        self._step_forward = None
         self._last_step_s = None
         self._trial = None
         self._trial_plans = []
@@ -1160,14 +1163,18 @@ class OMGSState:
         # the previous step's time (taken when it finished, :meth:`_on_step_finished`),
         # recorded here, on the autograd thread, where the trial runs
         sample, self._step_sample = self._step_sample, None
+        # this step's forward, run after the previous step's exchange finished (compute
+        # only, whatever the plan): the previous step's load probe, and this step's pace
+        forward = (self.step, self._load_probe()) if self._trial is not None else None
+        previous_forward, self._step_forward = self._step_forward, forward
         if sample is not None and sample[0] == self.step - 1:
             index, self._last_step_s, excess = sample
             step_s = self._last_step_s - excess
             self._step_times.append((index, step_s))
             if self._trial is not None:
-                # the load probe: this step's forward, run after the previous step's
-                # exchange finished (compute only, whatever the plan)
-                self._trial.record(index, step_s, self._load_probe())
+                own = (previous_forward[1] if previous_forward is not None
+                       and previous_forward[0] == index else None)
+                self._trial.record(index, step_s, forward[1], forward=own)
         probe, self._ready_probe = self._ready_probe, None
         if probe is not None:
             probe[1].wait()  # (issued on every rank at the same point: it completes)
@@ -2609,7 +2616,7 @@ class OMGSState:
         self._settled_at = (None if sd.get("settled_at") is None or replan
                             else int(sd["settled_at"]))
         self._model_check = dict(sd["model_check"]) if sd.get("model_check") else None
-        self._step_end, self._step_sample = None, None
+        self._step_end, self._step_sample, self._step_forward = None, None, None
         if self._pinned is not None:
             self._restore_pinned(self.plan)
         self._planner.cancel()

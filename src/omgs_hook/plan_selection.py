@@ -94,6 +94,14 @@ SPELL_FACTOR = 1.3
 #: at most this many candidate turns per trial are run again because every sample of
 #: the candidate in a round was disturbed (each retake: ``settle + confirm`` steps)
 MAX_RETAKES = 2
+#: divide each counted step by its *pace*: the slowest rank's forward pass of that step
+#: over that rank's median forward in the trial (compute only, the same for every plan;
+#: clamped to [1 / spell_factor, spell_factor], beyond which a step is a spell, not a
+#: pace). On 2 shaped ranks sharing 2 cores the host ran in phases 20-30% apart that
+#: lasted about ten steps; the step and its own forward correlated at 0.75-0.91, and
+#: dividing cut the turn-to-turn spread of one plan's step time from 7-12% to 3-5%
+#: (docs/design.md, "Pace")
+ADJUST_PACE = True
 
 
 def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS,
@@ -437,7 +445,7 @@ def _require_int(name, value, minimum):
 
 def _step_loads(probe_rows, reference):
     """Per counted step, the largest over ranks of probe / that rank's reference (NaN
-    where no rank has both)."""
+    where no rank has both) - the load of the probes, and the pace of the forwards."""
     loads = []
     for j in range(len(probe_rows[0]) if probe_rows else 0):
         ratios = [row[j] / ref for row, ref in zip(probe_rows, reference)
@@ -495,6 +503,16 @@ class Trial:
     Without probes (NaN: e.g. on CUDA, where the host clock would time launches) no
     step is disturbed and the trial is the plain three-round one.
 
+    *Pace.* Short of a spell, the host still runs faster and slower in phases (other
+    ranks' threads on the same cores, the network's interrupts): on 2 shaped ranks on 2
+    cores, 20-30% apart, each lasting about ten steps, so a candidate whose turns fell
+    in a slow phase read slow. With ``adjust_pace`` the hook also reports the step's own
+    forward pass (``forward`` of :meth:`record`), and every counted step is divided by
+    its pace: the largest over ranks of that forward over the rank's median forward in
+    the trial so far, clamped to ``[1 / spell_factor, spell_factor]``. All decisions
+    (the screen, the confirm window, the noise, the tie-break, the winner) use the
+    divided times. Where the forwards are unknown (NaN) the step is used as it is.
+
     The hook reports this rank's seconds per step and its probe (:meth:`record`); when a
     round is complete (:meth:`round_complete`) it all-gathers :meth:`local_row` and
     calls :meth:`finish_round` with every rank's row. A step's time is the *slowest*
@@ -510,7 +528,8 @@ class Trial:
                  max_confirm: int = MAX_CONFIRM, noise_tie: float = NOISE_TIE,
                  spell_factor: Optional[float] = None, max_retakes: int = MAX_RETAKES,
                  screen_passes: int = SCREEN_PASSES, lead: int = 0,
-                 tiebreak: int = TIEBREAK_STEPS, tiebreak_turns: int = TIEBREAK_TURNS):
+                 tiebreak: int = TIEBREAK_STEPS, tiebreak_turns: int = TIEBREAK_TURNS,
+                 adjust_pace: Optional[bool] = None):
         if len(candidates) < 1:
             raise ValueError("a trial needs at least one candidate")
         if settle < 0 or measure < 1 or confirm < 1 or tiebreak < 1:
@@ -525,6 +544,11 @@ class Trial:
             raise ValueError("spell_factor must be > 1 and max_retakes >= 0")
         _require_int("screen_passes", screen_passes, 1)
         _require_int("lead", lead, 0)
+        if adjust_pace is None:  # (read now, as SPELL_FACTOR)
+            adjust_pace = ADJUST_PACE
+        if not isinstance(adjust_pace, bool):
+            raise ValueError(f"adjust_pace must be a bool, got {adjust_pace!r}")
+        self.adjust_pace = adjust_pace
         self.candidates = list(candidates)
         self.reason = str(reason)
         self.settle = int(settle)
@@ -552,8 +576,11 @@ class Trial:
         self.noise = None
         self.disturbed = [0 for _ in self.candidates]  # counted steps left out, per candidate
         self.probes = []  # per rank: every gathered load probe of the trial's counted steps
+        self.forwards = []  # per rank: every gathered forward of the trial's counted steps
+        self.paces = [[] for _ in self.candidates]  # the pace each counted sample was divided by
         self.local = self._empty_local()
         self.local_probe = self._empty_local()
+        self.local_forward = self._empty_local()
         self.winner = None
         self.decided_at = None
 
@@ -613,13 +640,16 @@ class Trial:
         slot = self._slot(step)
         return None if slot is None else self.rounds[-1][slot[0]]
 
-    def record(self, step, seconds, probe=None):
-        """This rank's duration of ``step`` and its load probe (seconds of the forward
-        pass after it; None: unknown); kept when it is a counted step of the round."""
+    def record(self, step, seconds, probe=None, forward=None):
+        """This rank's duration of ``step``, its load probe (seconds of the forward pass
+        after it) and its own forward pass (seconds; the pace); None: unknown. Kept when
+        it is a counted step of the round."""
         slot = self._slot(step)
         if slot is not None and slot[1] is not None:
             self.local[slot[0]][slot[1]] = float(seconds)
             self.local_probe[slot[0]][slot[1]] = math.nan if probe is None else float(probe)
+            self.local_forward[slot[0]][slot[1]] = (math.nan if forward is None
+                                                    else float(forward))
 
     def round_complete(self, step):
         """True at (the start of) ``step`` when the current round's steps are all over."""
@@ -629,9 +659,12 @@ class Trial:
         return [[math.nan] * self.counted for _ in self.rounds[-1]]
 
     def local_row(self) -> List[float]:
-        """This rank's counted seconds of the round, then their load probes, flat (NaN
-        where missing): ``2 * candidates * counted`` numbers, the same on every rank."""
-        return [x for row in self.local for x in row] + [x for row in self.local_probe for x in row]
+        """This rank's counted seconds of the round, then their load probes, then their
+        forwards, flat (NaN where missing): ``3 * turns * counted`` numbers, the same
+        count on every rank."""
+        return ([x for row in self.local for x in row]
+                + [x for row in self.local_probe for x in row]
+                + [x for row in self.local_forward for x in row])
 
     # -- decision ---------------------------------------------------------------------
     def _measured_rounds(self):
@@ -681,18 +714,32 @@ class Trial:
         self.round_start = int(step)
         self.local = self._empty_local()
         self.local_probe = self._empty_local()
+        self.local_forward = self._empty_local()
 
-    def _loads_of_round(self, probe_rows):
-        """The gathered probes of this round added to each rank's history; per counted
-        step the load (:func:`_step_loads`) against each rank's median probe."""
-        if len(self.probes) != len(probe_rows):
-            self.probes = [[] for _ in probe_rows]  # (a trial restored on another world)
+    @staticmethod
+    def _ratios_of_round(histories, rows):
+        """``rows`` (per rank) added to each rank's ``histories``; per counted step the
+        largest ratio over ranks to that rank's median so far (:func:`_step_loads`)."""
+        if len(histories) != len(rows):
+            histories[:] = [[] for _ in rows]  # (a trial restored on another world)
         reference = []
-        for history, row in zip(self.probes, probe_rows):
+        for history, row in zip(histories, rows):
             history.extend(row)
             known = [x for x in history if not math.isnan(x)]
             reference.append(statistics.median(known) if known else None)
-        return _step_loads(probe_rows, reference)
+        return _step_loads(rows, reference)
+
+    def _loads_of_round(self, probe_rows):
+        """Per counted step the load of its probes against each rank's median probe."""
+        return self._ratios_of_round(self.probes, probe_rows)
+
+    def _paces_of_round(self, forward_rows):
+        """Per counted step the pace its time is divided by (1.0: not adjusted)."""
+        paces = self._ratios_of_round(self.forwards, forward_rows)
+        if not self.adjust_pace:
+            return [1.0] * len(paces)
+        low, high = 1.0 / self.spell_factor, self.spell_factor
+        return [1.0 if not 0 < p < math.inf else min(high, max(low, p)) for p in paces]
 
     def _decided_round(self):
         """(kind, members) of the last round that was not a retake."""
@@ -708,11 +755,15 @@ class Trial:
         counted = self.counted
         width = len(self.rounds[-1]) * counted
         rows = [list(map(float, r)) for r in rows]
-        # (rows without probes, ``width`` numbers, are accepted: nothing is disturbed)
-        if not rows or len({len(r) for r in rows}) != 1 or len(rows[0]) not in (width, 2 * width):
-            raise ValueError(f"expected rows of {2 * width} numbers, got {[len(r) for r in rows]}")
-        probe_rows = [r[width:] or [math.nan] * width for r in rows]
+        # (rows without probes, ``width`` numbers, are accepted: nothing is disturbed;
+        # without forwards, ``2 * width``: nothing is divided by its pace)
+        if not rows or len({len(r) for r in rows}) != 1 or len(rows[0]) not in (
+                width, 2 * width, 3 * width):
+            raise ValueError(f"expected rows of {3 * width} numbers, got {[len(r) for r in rows]}")
+        probe_rows = [r[width:2 * width] or [math.nan] * width for r in rows]
+        forward_rows = [r[2 * width:] or [math.nan] * width for r in rows]
         loads = self._loads_of_round(probe_rows)
+        paces = self._paces_of_round(forward_rows)
         this_round, all_disturbed, quiet_bound = {}, [], {}
         gathered = {}  # candidate -> (raw, clean, bound) over all its turns of the round
         for position, index in enumerate(self.rounds[-1]):
@@ -720,13 +771,18 @@ class Trial:
             for j in range(counted):
                 column = [r[position * counted + j] for r in rows]
                 known = [x for x in column if not math.isnan(x)]
-                x = max(known) if known else math.nan
-                disturbed = not math.isnan(x) and loads[position * counted + j] > self.spell_factor
+                slowest = max(known) if known else math.nan
+                disturbed = (not math.isnan(slowest)
+                             and loads[position * counted + j] > self.spell_factor)
                 self.disturbed[index] += disturbed
+                pace = paces[position * counted + j]
+                x = slowest / pace
+                if not math.isnan(x):
+                    self.paces[index].append(pace)
                 raw.append(x)
                 clean.append(math.nan if disturbed else x)
                 if disturbed:  # as if the whole step had slowed with its forward
-                    bound.append(x / loads[position * counted + j])
+                    bound.append(slowest / loads[position * counted + j])
         for index, (raw, clean, bound) in gathered.items():
             self.samples[index].extend(raw)
             if any(not math.isnan(x) for x in raw) and all(math.isnan(x) for x in clean):
@@ -836,6 +892,9 @@ class Trial:
                         "measured_s": None if math.isinf(measured) else measured,
                         "samples": sum(1 for x in self.samples[i] if not math.isnan(x)),
                         "disturbed": self.disturbed[i],
+                        # the median pace its samples were divided by (None: none)
+                        "pace": (statistics.median(self.paces[i]) if self.paces[i]
+                                 else None),
                         "rounds": self.round_medians(i),
                         "winner": i == self.winner})
         return {"reason": self.reason, "start_step": self.start_step, "lead": self.lead,
@@ -865,6 +924,10 @@ class Trial:
                 "retakes_used": self.retakes_used, "disturbed": list(self.disturbed),
                 "probes": [list(p) for p in self.probes],
                 "local_probe": [list(r) for r in self.local_probe],
+                "adjust_pace": self.adjust_pace,
+                "forwards": [list(f) for f in self.forwards],
+                "paces": [list(p) for p in self.paces],
+                "local_forward": [list(r) for r in self.local_forward],
                 "rounds": [list(r) for r in self.rounds], "round_kinds": list(self.round_kinds),
                 "round_start": self.round_start,
                 "samples": [list(s) for s in self.samples], "noise": self.noise,
@@ -895,7 +958,9 @@ class Trial:
                     spell_factor=float(sd.get("spell_factor", SPELL_FACTOR)),
                     max_retakes=int(sd.get("max_retakes", MAX_RETAKES)),
                     # a state saved before the two-pass screen ran one pass
-                    screen_passes=int(sd.get("screen_passes", 1)), lead=int(sd.get("lead", 0)))
+                    screen_passes=int(sd.get("screen_passes", 1)), lead=int(sd.get("lead", 0)),
+                    # a state saved before the pace: its trial goes on without it
+                    adjust_pace=bool(sd.get("adjust_pace", False)))
         trial.rounds = [[int(i) for i in r] for r in sd["rounds"]]
         trial.round_kinds = ([SCREEN] + [TIEBREAK] * (len(trial.rounds) - 1) if legacy
                              else [str(k) for k in sd["round_kinds"]])
@@ -923,6 +988,12 @@ class Trial:
         trial.probes = [[float(x) for x in p] for p in sd.get("probes", [])]
         trial.local_probe = ([[float(x) for x in r] for r in sd["local_probe"]]
                              if "local_probe" in sd else [[math.nan] * len(r) for r in trial.local])
+        trial.forwards = [[float(x) for x in f] for f in sd.get("forwards", [])]
+        trial.paces = [[float(x) for x in p]
+                       for p in sd.get("paces", [[] for _ in trial.candidates])]
+        trial.local_forward = ([[float(x) for x in r] for r in sd["local_forward"]]
+                               if "local_forward" in sd
+                               else [[math.nan] * len(r) for r in trial.local])
         return trial
 
 
