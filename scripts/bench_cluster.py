@@ -579,12 +579,21 @@ def run_step(variant, batch):
 
 
 def slowest_rank(rows):
-    """Element-wise MAX over ranks of a list of per-step tuples (one collective)."""
+    """Element-wise MAX over ranks of a list of per-step tuples, but the forward column
+    (``forward_s``, the host's pace: :func:`paced_medians`) is the ranks' MEAN (two
+    collectives)."""
     import torch
     import torch.distributed as dist
 
     table = torch.tensor(rows, dtype=torch.float64)
+    mean = None
+    if table.dim() == 2 and table.shape[1] > FORWARD_COLUMN:
+        mean = table[:, FORWARD_COLUMN].clone()
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    if mean is not None:
+        table[:, FORWARD_COLUMN] = mean
     return [tuple(float(x) for x in row) for row in table.tolist()]
 
 
@@ -922,6 +931,7 @@ def quantile(values, q):
 
 # the columns of a step's row, as run_step returns it
 STEP_COLUMNS = ("iteration_s", "optimizer_s", "topk_s", "hook_s", "forward_s")
+FORWARD_COLUMN = STEP_COLUMNS.index("forward_s")
 
 
 def step_columns(rows, prefix=""):
@@ -937,8 +947,8 @@ PACE_CLAMP = 1.3
 
 def paced_medians(variants):
     """Per variant, the median of its timed steps each divided by its *pace*: the
-    slowest rank's forward of that step over the median forward of every variant's
-    timed steps in the run (clamped to ``[1 / PACE_CLAMP, PACE_CLAMP]``). The forward is
+    ranks' mean forward of that step over the median of those of every variant's timed
+    steps in the run (clamped to ``[1 / PACE_CLAMP, PACE_CLAMP]``). The forward is
     compute only and the same for every variant, so the pace is the host's speed at that
     step: on 2 cores the host runs in phases 20-30% apart that last about ten steps, and
     a variant whose rounds fell in slow ones read slow (docs/design.md, "Pace"). The

@@ -257,20 +257,23 @@ def phase_worker(rank, world_size, steps, adjust_pace):
     model, ddp, state, opt = build(rank)
     clock = state._clock = PhaseClock(state, rank)
     state._load_probe = clock.probe
-    train_steps(ddp, opt, 0, steps, rank)
+    trial = None
+    for step in range(steps):
+        train_steps(ddp, opt, step, step + 1, rank)
+        trial = state._trial or trial  # (the hook lets go of it once decided)
     stats = state.stats()
     del ddp, state
     gc.collect()
-    return {"stats": stats, "victim": clock.victim}
+    return {"stats": stats, "victim": clock.victim, "trial": trial.state_dict()}
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("adjust_pace", [True, False])
 def test_a_step_is_divided_by_the_pace_of_its_own_forward(adjust_pace):
     """The host runs the would-be winner's steps 25% slow, their forwards too. With the
-    pace every candidate's measurement is its quiet time: each step was divided by its
-    own forward's pace (the next step's forward belongs to another candidate's turn at
-    every screen turn's end), and the winner is the fastest plan."""
+    pace each step is divided by its own forward's pace (the next step's forward
+    belongs to another candidate's turn at every screen turn's end): in every round the
+    would-be winner's pace is 1.25x the others', and the winner is the fastest plan."""
     results = run_ranks("test_hook_selection", "phase_worker", world_size=2, steps=62,
                         adjust_pace=adjust_pace)
     stats = [r["stats"] for r in results]
@@ -279,15 +282,31 @@ def test_a_step_is_divided_by_the_pace_of_its_own_forward(adjust_pace):
     victim = results[0]["victim"]
     assert victim is not None and len(report["candidates"]) >= 2
     _, slowest = expected_winner(report, 2)
-    for entry, quiet in zip(report["candidates"], slowest):
-        phase = 1.25 if entry["name"] == victim else 1.0
-        if adjust_pace:
-            assert entry["pace"] == pytest.approx(phase), entry
-            assert entry["measured_s"] == pytest.approx(quiet, rel=1e-6), entry
-        else:
-            assert entry["pace"] == 1.0
-            assert entry["measured_s"] == pytest.approx(quiet * phase, rel=1e-6), entry
+    state = results[0]["trial"]
+    names = [c["name"] for c in report["candidates"]]
+    for i, (samples, paces) in enumerate(zip(state["samples"], state["paces"])):
+        phase = 1.25 if names[i] == victim else 1.0
+        assert samples and len(samples) == len(paces)
+        # every sample is the slowest rank's step (the fake cost, in the phase) divided
+        # by the pace it was given
+        for x, pace in zip(samples, paces):
+            assert x * pace == pytest.approx(slowest[i] * phase, rel=1e-6)
+        if not adjust_pace:
+            assert set(paces) == {1.0}
     if adjust_pace:
+        # within each round (one reference forward for all) the victim's pace is 1.25x
+        # every other candidate's: the pace is the step's own forward
+        at = [0] * len(names)
+        for turns, samples in zip(state["rounds"], state["round_samples"]):
+            paces = {}
+            for index, values in samples:
+                paces[index] = state["paces"][index][at[index]:at[index] + len(values)]
+                at[index] += len(values)
+            v = names.index(victim)
+            for index, values in paces.items():
+                expected = 1.0 if index == v else 1.0 / 1.25
+                for p in values:
+                    assert p / paces[v][0] == pytest.approx(expected), (index, paces)
         assert report["winner"] == victim
 
 

@@ -881,6 +881,20 @@ def test_each_step_is_divided_by_its_pace():
     assert all(c["pace"] == 1.0 for c in plain.report()["candidates"])
 
 
+def test_the_pace_is_the_mean_over_ranks():
+    """One rank's forward alone 20% slow (its own jitter) moves the pace by half that on
+    2 ranks; the load probe of the same step takes the largest rank."""
+    trial = Trial([cand("a", [[0, 1]]), cand("b", [[0], [1]])], 0, screen_passes=1,
+                  measure=3)
+    jitter = {(0, 1): 1.2}
+    step, rows = run_round(trial, [[1.0, 1.0], [1.0, 1.0]],
+                           forward=lambda r, s: jitter.get((r, s), 1.0),
+                           probe=lambda r, s: jitter.get((r, s), 1.0))
+    trial.finish_round(rows, step)
+    assert trial.paces[0] == pytest.approx([1.1, 1.0, 1.0])
+    assert trial.samples[0] == pytest.approx([1.0 / 1.1, 1.0, 1.0])
+
+
 def test_a_pace_beyond_the_spell_factor_is_clamped_to_it():
     times = [[1.0, 1.0]]
     trial = Trial([cand("a", [[0, 1]]), cand("b", [[0], [1]])], 0, screen_passes=1,

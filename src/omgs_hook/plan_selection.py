@@ -94,13 +94,14 @@ SPELL_FACTOR = 1.3
 #: at most this many candidate turns per trial are run again because every sample of
 #: the candidate in a round was disturbed (each retake: ``settle + confirm`` steps)
 MAX_RETAKES = 2
-#: divide each counted step by its *pace*: the slowest rank's forward pass of that step
-#: over that rank's median forward in the trial (compute only, the same for every plan;
-#: clamped to [1 / spell_factor, spell_factor], beyond which a step is a spell, not a
-#: pace). On 2 shaped ranks sharing 2 cores the host ran in phases 20-30% apart that
-#: lasted about ten steps; the step and its own forward correlated at 0.75-0.91, and
-#: dividing cut the turn-to-turn spread of one plan's step time from 7-12% to 3-5%
-#: (docs/design.md, "Pace")
+#: divide each counted step by its *pace*: the mean over ranks of each rank's forward
+#: pass of that step over that rank's median forward in the trial (compute only, the
+#: same for every plan; clamped to [1 / spell_factor, spell_factor], beyond which a
+#: step is a spell, not a pace). On 2 shaped ranks sharing 2 cores the host ran in
+#: phases 20-30% apart that lasted about ten steps; the step and its own forward
+#: correlated at 0.75-0.92, and dividing cut the round-to-round spread of one plan's
+#: step time from 7-12% to 3-4%; at 4 ranks from 7-15% to 3-6% (the mean over ranks:
+#: the largest ratio, as the load probe takes, left 5-12%) (docs/design.md, "Pace")
 ADJUST_PACE = True
 
 
@@ -443,14 +444,15 @@ def _require_int(name, value, minimum):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _step_loads(probe_rows, reference):
-    """Per counted step, the largest over ranks of probe / that rank's reference (NaN
-    where no rank has both) - the load of the probes, and the pace of the forwards."""
+def _step_loads(probe_rows, reference, combine=max):
+    """Per counted step, the largest over ranks (``combine``) of probe / that rank's
+    reference (NaN where no rank has both) - the load of the probes; with ``combine=
+    statistics.fmean``, the pace of the forwards."""
     loads = []
     for j in range(len(probe_rows[0]) if probe_rows else 0):
         ratios = [row[j] / ref for row, ref in zip(probe_rows, reference)
                   if not math.isnan(row[j]) and ref is not None and ref > 0]
-        loads.append(max(ratios) if ratios else math.nan)
+        loads.append(combine(ratios) if ratios else math.nan)
     return loads
 
 
@@ -508,7 +510,7 @@ class Trial:
     cores, 20-30% apart, each lasting about ten steps, so a candidate whose turns fell
     in a slow phase read slow. With ``adjust_pace`` the hook also reports the step's own
     forward pass (``forward`` of :meth:`record`), and every counted step is divided by
-    its pace: the largest over ranks of that forward over the rank's median forward in
+    its pace: the mean over ranks of each rank's forward over its median forward in
     the trial so far, clamped to ``[1 / spell_factor, spell_factor]``. All decisions
     (the screen, the confirm window, the noise, the tie-break, the winner) use the
     divided times. Where the forwards are unknown (NaN) the step is used as it is.
@@ -717,9 +719,9 @@ class Trial:
         self.local_forward = self._empty_local()
 
     @staticmethod
-    def _ratios_of_round(histories, rows):
+    def _ratios_of_round(histories, rows, combine=max):
         """``rows`` (per rank) added to each rank's ``histories``; per counted step the
-        largest ratio over ranks to that rank's median so far (:func:`_step_loads`)."""
+        ratios to each rank's median so far, combined over ranks (:func:`_step_loads`)."""
         if len(histories) != len(rows):
             histories[:] = [[] for _ in rows]  # (a trial restored on another world)
         reference = []
@@ -727,7 +729,7 @@ class Trial:
             history.extend(row)
             known = [x for x in history if not math.isnan(x)]
             reference.append(statistics.median(known) if known else None)
-        return _step_loads(rows, reference)
+        return _step_loads(rows, reference, combine)
 
     def _loads_of_round(self, probe_rows):
         """Per counted step the load of its probes against each rank's median probe."""
@@ -735,7 +737,9 @@ class Trial:
 
     def _paces_of_round(self, forward_rows):
         """Per counted step the pace its time is divided by (1.0: not adjusted)."""
-        paces = self._ratios_of_round(self.forwards, forward_rows)
+        # (the mean: a phase of the host slows every rank; the largest of 4 ranks' ratios
+        # is mostly one rank's jitter)
+        paces = self._ratios_of_round(self.forwards, forward_rows, statistics.fmean)
         if not self.adjust_pace:
             return [1.0] * len(paces)
         low, high = 1.0 / self.spell_factor, self.spell_factor
