@@ -1614,8 +1614,8 @@ def render_default_targets(results):
               r["analysis"]["paced"]) for r in results if r["analysis"].get("paced")]
     if paced:
         out.append("")
-        out.append("Paced (every timed step divided by the host's pace at it: its forward over "
-                   "the run's median forward, clamped to "
+        out.append("Paced (every timed step divided by the host's pace at it: the ranks' mean "
+                   "forward of that step over the median of those in the run, clamped to "
                    f"[1/{PACE_CLAMP:g}, {PACE_CLAMP:g}]; `paced_medians`, the rule the trial "
                    "uses): " + "; ".join(
                        f"{n}: default vs best TopK/LAGS {_x(p.get('default_vs_best_peer'))}, "

@@ -99,7 +99,7 @@ MAX_RETAKES = 2
 #: same for every plan; clamped to [1 / spell_factor, spell_factor], beyond which a
 #: step is a spell, not a pace). On 2 shaped ranks sharing 2 cores the host ran in
 #: phases 20-30% apart that lasted about ten steps; the step and its own forward
-#: correlated at 0.75-0.92, and dividing cut the round-to-round spread of one plan's
+#: correlated at 0.69-0.92, and dividing cut the round-to-round spread of one plan's
 #: step time from 7-12% to 3-4%; at 4 ranks from 7-15% to 3-6% (the mean over ranks:
 #: the largest ratio, as the load probe takes, left 5-12%) (docs/design.md, "Pace")
 ADJUST_PACE = True
