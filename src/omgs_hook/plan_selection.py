@@ -445,9 +445,9 @@ def _require_int(name, value, minimum):
 
 
 def _step_loads(probe_rows, reference, combine=max):
-    """Per counted step, the largest over ranks (``combine``) of probe / that rank's
-    reference (NaN where no rank has both) - the load of the probes; with ``combine=
-    statistics.fmean``, the pace of the forwards."""
+    """Per counted step, probe / that rank's reference combined over ranks (NaN where no
+    rank has both): by ``max``, the load of the probes; by ``statistics.fmean``, the
+    pace of the forwards."""
     loads = []
     for j in range(len(probe_rows[0]) if probe_rows else 0):
         ratios = [row[j] / ref for row, ref in zip(probe_rows, reference)
@@ -579,7 +579,7 @@ class Trial:
         self.disturbed = [0 for _ in self.candidates]  # counted steps left out, per candidate
         self.probes = []  # per rank: every gathered load probe of the trial's counted steps
         self.forwards = []  # per rank: every gathered forward of the trial's counted steps
-        self.paces = [[] for _ in self.candidates]  # the pace each counted sample was divided by
+        self.paces = [[] for _ in self.candidates]  # per sample: the pace it was divided by
         self.local = self._empty_local()
         self.local_probe = self._empty_local()
         self.local_forward = self._empty_local()
@@ -781,8 +781,7 @@ class Trial:
                 self.disturbed[index] += disturbed
                 pace = paces[position * counted + j]
                 x = slowest / pace
-                if not math.isnan(x):
-                    self.paces[index].append(pace)
+                self.paces[index].append(pace)  # (aligned with self.samples)
                 raw.append(x)
                 clean.append(math.nan if disturbed else x)
                 if disturbed:  # as if the whole step had slowed with its forward
@@ -896,9 +895,7 @@ class Trial:
                         "measured_s": None if math.isinf(measured) else measured,
                         "samples": sum(1 for x in self.samples[i] if not math.isnan(x)),
                         "disturbed": self.disturbed[i],
-                        # the median pace its samples were divided by (None: none)
-                        "pace": (statistics.median(self.paces[i]) if self.paces[i]
-                                 else None),
+                        "pace": self._median_pace(i),
                         "rounds": self.round_medians(i),
                         "winner": i == self.winner})
         return {"reason": self.reason, "start_step": self.start_step, "lead": self.lead,
@@ -910,6 +907,11 @@ class Trial:
                 "noise": self.noise, "turn_noise": self.turn_noise(),
                 "steps": sum(self.steps_run()), "excess_steps": self.excess_steps(),
                 "candidates": out}
+
+    def _median_pace(self, index):
+        """The median pace the known samples of ``index`` were divided by (None: none)."""
+        paces = [p for p, x in zip(self.paces[index], self.samples[index]) if not math.isnan(x)]
+        return statistics.median(paces) if paces else None
 
     def summary(self):
         """One line: ``name predicted/measured ms`` per candidate, the winner marked."""
