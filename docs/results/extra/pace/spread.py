@@ -1,4 +1,4 @@
-"""Round-to-round spread of each plan's step time in a timed_plans.py run, raw and divided
+"""Round-to-round spread of each plan's step time in a ``pace.py timed`` run, raw and divided
 by the pace (the largest, mean or least over ranks of each rank's forward over its median):
 per-step median absolute deviation, and the coefficient of variation of the round medians.
 
