@@ -949,11 +949,13 @@ def paced_medians(variants):
     """Per variant, the median of its timed steps each divided by its *pace*: the
     ranks' mean forward of that step over the median of those of every variant's timed
     steps in the run (clamped to ``[1 / PACE_CLAMP, PACE_CLAMP]``). The forward is
-    compute only and the same for every variant, so the pace is the host's speed at that
-    step: on 2 cores the host runs in phases 20-30% apart that last about ten steps, and
-    a variant whose rounds fell in slow ones read slow (docs/design.md, "Pace"). The
-    measured selection divides its trial's steps the same way. Empty for a run without
-    forwards (before this column)."""
+    compute only, so the pace is the host's speed at that step: on 2 cores the host runs
+    in phases 20-30% apart that last about ten steps, and a variant whose rounds fell in
+    slow ones read slow (docs/design.md, "Pace"). The measured selection divides its
+    trial's steps the same way. Across hooks the forwards are not quite alike (PowerSGD's
+    ran 5-8% above the others' at N = 4, which flatters it paced), so these figures go
+    beside the raw ones, not in their place. Empty for a run without forwards (before
+    this column)."""
     forwards = [x for v in variants.values() for x in v.get("forward_s") or []]
     if not forwards:
         return {}
