@@ -113,6 +113,7 @@ sys.path.append(_SCRIPT_DIR)
 
 from omgs_hook.cli_types import integer_at_least, non_negative_number, positive_number  # noqa: E402
 from omgs_hook.generated_docs import write_generated_section  # noqa: E402  (after sys.path)
+from omgs_hook.plan_selection import SPELL_FACTOR, clamped_pace  # noqa: E402
 
 REPO_ROOT = os.path.dirname(_SCRIPT_DIR)
 PROFILE_SCRIPT = os.path.join(_SCRIPT_DIR, "profile.py")
@@ -941,8 +942,8 @@ def step_columns(rows, prefix=""):
             if all(len(r) > at for r in rows)}
 
 
-# a step's pace is clamped to [1 / PACE_CLAMP, PACE_CLAMP] (the trial's spell factor)
-PACE_CLAMP = 1.3
+# a step's pace is clamped to [1 / PACE_CLAMP, PACE_CLAMP]: the trial's spell factor
+PACE_CLAMP = SPELL_FACTOR
 
 
 def paced_medians(variants):
@@ -968,7 +969,7 @@ def paced_medians(variants):
         if not times or len(fwd) != len(times):
             continue
         out[name] = statistics.median(
-            t / min(PACE_CLAMP, max(1.0 / PACE_CLAMP, f / reference)) for t, f in zip(times, fwd))
+            t / clamped_pace(f / reference, PACE_CLAMP) for t, f in zip(times, fwd))
     return out
 
 

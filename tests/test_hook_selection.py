@@ -299,7 +299,7 @@ def test_a_step_is_divided_by_the_pace_of_its_own_forward(adjust_pace):
         # within each round (one reference forward for all) the victim's pace is 1.25x
         # every other candidate's: the pace is the step's own forward
         at = [0] * len(names)
-        for turns, samples in zip(state["rounds"], state["round_samples"]):
+        for samples in state["round_samples"]:  # (no spells here: no retake rounds)
             paces = {}
             for index, values in samples:
                 paces[index] = state["paces"][index][at[index]:at[index] + len(values)]

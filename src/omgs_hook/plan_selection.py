@@ -444,6 +444,16 @@ def _require_int(name, value, minimum):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def clamped_pace(ratio, spell_factor=SPELL_FACTOR):
+    """A step's pace (its forward over the usual one) as a step's time is divided by it:
+    clamped to ``[1 / spell_factor, spell_factor]`` (beyond, a step is a spell, not a
+    pace); 1.0 where unknown (NaN, not positive). The trial's rule, and the benchmark's
+    paced figures (``scripts/bench_cluster.py``)."""
+    if not 0 < ratio < math.inf:
+        return 1.0
+    return min(spell_factor, max(1.0 / spell_factor, ratio))
+
+
 def _step_loads(probe_rows, reference, combine=max):
     """Per counted step, probe / that rank's reference combined over ranks (NaN where no
     rank has both): by ``max``, the load of the probes; by ``statistics.fmean``, the
@@ -742,8 +752,7 @@ class Trial:
         paces = self._ratios_of_round(self.forwards, forward_rows, statistics.fmean)
         if not self.adjust_pace:
             return [1.0] * len(paces)
-        low, high = 1.0 / self.spell_factor, self.spell_factor
-        return [1.0 if not 0 < p < math.inf else min(high, max(low, p)) for p in paces]
+        return [clamped_pace(p, self.spell_factor) for p in paces]
 
     def _decided_round(self):
         """(kind, members) of the last round that was not a retake."""
