@@ -813,6 +813,10 @@ def test_only_large_or_slow_planning_jobs_go_to_the_worker_process(monkeypatch):
     state.plan = None
 
 
+# the real-clock worker's steps at most, its trial unfinished (see below)
+MAX_REAL_CLOCK_STEPS = 240
+
+
 def real_clock_worker(rank, world_size, steps, pause_every=None, slow_in_turn=None):
     """Real clocks. ``pause_every``: before every ``pause_every``-th step the loop sleeps
     0.3 s, as an evaluation after an epoch would, on both ranks. ``slow_in_turn``: at
@@ -848,9 +852,6 @@ def real_clock_worker(rank, world_size, steps, pause_every=None, slow_in_turn=No
     del ddp, state
     gc.collect()
     return {"stats": stats}
-
-
-MAX_REAL_CLOCK_STEPS = 240
 
 
 @pytest.mark.timeout(150)
