@@ -11,6 +11,12 @@ floats per rank (a few hundred kB: a small fraction of a copy), the write-back a
 residual update. It is divided by the time of one fp32 ``copy_`` of D elements measured
 in the same processes, so the figure is comparable across machines.
 
+A third variant, an **all-gather-only hook**, sends a payload of the hook's size and
+hands the bucket back untouched: the collective's round trip and its hand-offs between
+threads, which any sparse exchange pays and which do not grow with D. The OMGS step over
+that one ("over all-gather-only") is the hook's host work alone. At 1M elements the
+round trip is several copies by itself (docs/hot-path.md, "The floor of a small group").
+
 Variants are interleaved round by round (``--rounds``; in each, every variant runs
 ``--steps`` steps), each block's per-step times are all-reduced with MAX (a synchronous
 step is as slow as its slowest rank), and medians are reported. Run on a quiet machine
@@ -54,7 +60,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import omgs_hook  # noqa: E402
-from omgs_hook import cli_types, topk  # noqa: E402
+from omgs_hook import cli_types, communicator, cost_model, topk  # noqa: E402
 
 DENSITY = 0.001
 BATCH = 8
@@ -65,6 +71,27 @@ def noop_hook(state, bucket):
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
+
+
+def gather_only_hook(density, bucket):
+    """All-gather a payload of the size the OMGS hook sends for this bucket (``2k+1``
+    floats per rank), wait for it, and hand the bucket back untouched: the collective's
+    round trip and hand-offs that any sparse exchange pays, without the hook's own work
+    (accumulate, select, pack, write-back, residual update). The OMGS step over this
+    one is the hook's host work alone; over the no-op hook it also holds that round
+    trip, which dominates small groups (docs/hot-path.md, "The floor of a small
+    group")."""
+    buffer = bucket.buffer()
+    k = cost_model.selected_k(buffer.numel(), density)
+    payload = torch.zeros(communicator.payload_numel(k), dtype=torch.float32,
+                          device=buffer.device)
+    future, _ = communicator.allgather_async(payload)
+    return future.then(lambda _: buffer)
+
+
+#: the variants, run interleaved: DDP with a no-op hook, with an all-gather-only hook
+#: and with the OMGS hook
+VARIANTS = ("noop", "gather", "omgs")
 
 
 def _shape(numel):
@@ -129,6 +156,8 @@ def _build(numel, device, hook, buckets=1, strategy="single", density=DENSITY):
     state = None
     if hook == "noop":
         ddp.register_comm_hook(None, noop_hook)
+    elif hook == "gather":
+        ddp.register_comm_hook(density, gather_only_hook)
     else:
         state = omgs_hook.register(ddp, **_hook_options(strategy, density))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
@@ -170,7 +199,7 @@ def worker(rank, world_size, port, sizes, rounds, steps, device_name, out_path, 
     try:
         for numel in sizes:
             variants = {name: _build(numel, device, name, buckets, strategy, density)
-                        for name in ("noop", "omgs")}
+                        for name in VARIANTS}
             x = torch.randn(BATCH, variants["noop"][3], device=device)
             for name, (ddp, opt, _, _) in variants.items():  # DDP rebuild, dense warm-up, plan
                 for _ in range(12):
@@ -189,15 +218,18 @@ def worker(rank, world_size, port, sizes, rounds, steps, device_name, out_path, 
             state = variants["omgs"][2]
             last = state.stats()["last"] or {}
             noop = statistics.median(times["noop"])
+            gather = statistics.median(times["gather"])
             omgs = statistics.median(times["omgs"])
             copy = float(copy_s[0])
             results.append({
                 "numel": numel, "copy_s": copy, "noop_step_s": noop, "omgs_step_s": omgs,
                 "overhead_copies": (omgs - noop) / copy,
+                "gather_step_s": gather, "over_gather_copies": (omgs - gather) / copy,
                 "hook_s": last.get("hook_s"), "topk_s": last.get("topk_s"),
                 "groups": last.get("groups"), "dense_groups": last.get("dense_groups"),
                 "buckets": _bucket_count(variants["omgs"][0]),
                 "noop_steps_s": times["noop"], "omgs_steps_s": times["omgs"],
+                "gather_steps_s": times["gather"],
             })
             for ddp, _, st, _ in variants.values():
                 if st is not None:
@@ -238,16 +270,25 @@ def measure(sizes, rounds=5, steps=4, device="cpu", world_size=2, buckets=1, str
 
 def format_table(results):
     """The results as a Markdown table; with more than one sparse group (``layerwise``)
-    a last column gives the overhead per group."""
+    a last column gives the overhead per group. Rows measured beside the all-gather-only
+    hook (:func:`gather_only_hook`) add its step and the OMGS step over it, in copies:
+    the hook's host work without the collective's round trip."""
     per_group = any((r.get("groups") or 1) > 1 for r in results)
+    gather = all("gather_step_s" in r for r in results)
     lines = ["| elements | buckets | one copy_ (ms) | no-op hook step (ms) | OMGS step (ms) | "
-             "hook overhead (copies) |" + (" groups | overhead per group (ms) |" if per_group else ""),
-             "|---|---|---|---|---|---|" + ("---|---|" if per_group else "")]
+             "hook overhead (copies) |"
+             + (" all-gather-only hook step (ms) | over all-gather-only (copies) |"
+                if gather else "")
+             + (" groups | overhead per group (ms) |" if per_group else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if gather else "")
+             + ("---|---|" if per_group else "")]
     for r in results:
         line = (f"| {r['numel'] / 1e6:.1f}M | {r.get('buckets') or '?'} | "
                 f"{r['copy_s'] * 1e3:.2f} | "
                 f"{r['noop_step_s'] * 1e3:.1f} | {r['omgs_step_s'] * 1e3:.1f} | "
                 f"{r['overhead_copies']:.2f} |")
+        if gather:
+            line += f" {r['gather_step_s'] * 1e3:.1f} | {r['over_gather_copies']:.2f} |"
         if per_group:
             groups = r.get("groups") or 1
             line += (f" {groups} | "

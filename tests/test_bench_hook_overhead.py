@@ -52,3 +52,44 @@ def test_table_gives_the_overhead_per_group_when_there_are_several():
     assert "overhead per group (ms)" in table
     assert table.splitlines()[-1].endswith("| 16 | 1.50 |")
     assert "per group" not in bench.format_table([dict(row, groups=1)])
+
+
+def test_table_adds_the_all_gather_only_columns_when_measured():
+    row = {"numel": 1e6, "buckets": 1, "copy_s": 0.0002, "noop_step_s": 0.010,
+           "omgs_step_s": 0.014, "overhead_copies": 20.0, "gather_step_s": 0.0132,
+           "over_gather_copies": 4.0}
+    table = bench.format_table([row])
+    assert "over all-gather-only (copies)" in table.splitlines()[0]
+    assert table.splitlines()[-1].endswith("| 20.00 | 13.2 | 4.00 |")
+    header, rule = table.splitlines()[:2]
+    assert header.count("|") == rule.count("|")
+
+
+class _Bucket:
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def buffer(self):
+        return self._tensor
+
+
+@pytest.mark.parametrize("numel,density", [(1_000_000, 0.001), (3, 0.001), (4096, 0.01)])
+def test_all_gather_only_hook_sends_the_hooks_payload_and_returns_the_bucket(
+        monkeypatch, numel, density):
+    from omgs_hook import communicator, cost_model
+
+    sent = []
+
+    def fake_allgather(payload, process_group=None):
+        sent.append(payload)
+        future = torch.futures.Future()
+        future.set_result([payload])
+        return future, payload
+
+    monkeypatch.setattr(bench.communicator, "allgather_async", fake_allgather)
+    gradient = torch.randn(numel)
+    before = gradient.clone()
+    result = bench.gather_only_hook(density, _Bucket(gradient)).wait()
+    k = cost_model.selected_k(numel, density)
+    assert [p.numel() for p in sent] == [communicator.payload_numel(k)]
+    assert result is gradient and torch.equal(result, before)

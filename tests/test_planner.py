@@ -902,6 +902,63 @@ def test_search_budget_is_a_safety_valve_beyond_exact_units(monkeypatch):
         assert make_plan(inst) == exact
 
 
+def test_the_dense_valve_shrinks_with_the_units_beyond_its_full_size():
+    full = planner.SEARCH_BUDGET
+    edge = planner.DENSE_FULL_BUDGET_UNITS
+    assert planner.dense_valve_budget(1) == planner.dense_valve_budget(edge) == full
+    assert planner.dense_valve_budget(edge + 1) < full
+    # a tenth at 1000 units (the size measured in docs/cost-model.md)
+    assert planner.dense_valve_budget(1000) == pytest.approx(full / 10, rel=0.01)
+    sizes = [edge, 400, 500, 700, 1000, 2000, 5000, 10**5]
+    budgets = [planner.dense_valve_budget(n) for n in sizes]
+    assert budgets == sorted(budgets, reverse=True)
+    # never below the first turn's own count
+    assert budgets[-1] == planner._RACE_START_BUDGET
+
+
+def test_valve_default_is_scaled_only_with_a_dense_cost_and_an_explicit_budget_wins():
+    rng = np.random.default_rng(3)
+    dense = random_instance(rng, 40, dense=True)
+    sparse = random_instance(rng, 40, dense=False)
+    big = dataclasses.replace(dense, layers=dense.layers * 30)  # 1200 units
+    big_sparse = dataclasses.replace(sparse, layers=sparse.layers * 30)
+    assert planner._valve(dense) == planner.SEARCH_BUDGET
+    assert planner._valve(big) == planner.dense_valve_budget(1200) < planner.SEARCH_BUDGET
+    assert planner._valve(big_sparse) == planner.SEARCH_BUDGET  # beyond EXACT_UNITS
+    assert planner._valve(sparse) is None
+    assert planner._valve(big, budget=7) == 7
+
+
+def test_a_search_stopped_by_the_scaled_dense_valve_says_so_and_keeps_its_bounds(monkeypatch):
+    rng = np.random.default_rng(2)
+    inst = random_instance(rng, 40, dense=True)
+    exact = make_plan(inst)
+    monkeypatch.setattr(planner, "SEARCH_BUDGET", 400)
+    monkeypatch.setattr(planner, "DENSE_FULL_BUDGET_UNITS", 20)
+    monkeypatch.setattr(planner, "_RACE_START_BUDGET", 4)
+    assert planner._valve(inst) == 100  # 400 * (20 / 40) ** 2
+    with pytest.warns(SearchBudgetWarning, match="dense valve of 100"):
+        bounded = make_plan(inst)
+    assert exact.predicted_iteration_s <= bounded.predicted_iteration_s * (1 + 1e-12)
+    with warnings.catch_warnings():  # greedy's mode search has the same small valve
+        warnings.simplefilter("ignore", SearchBudgetWarning)
+        greedy = make_plan(inst, "greedy")
+    assert bounded.predicted_iteration_s <= greedy.predicted_iteration_s
+
+
+def test_a_replan_searches_with_the_smaller_of_its_budget_and_the_first_plans():
+    from omgs_hook import plan_job
+
+    rng = np.random.default_rng(4)
+    dense = random_instance(rng, 40, dense=True)
+    assert plan_job.replan_budget(dense) == plan_job.REPLAN_SEARCH_BUDGET
+    assert plan_job.replan_budget(random_instance(rng, 40, dense=False)) == (
+        plan_job.REPLAN_SEARCH_BUDGET)
+    big = dataclasses.replace(dense, layers=dense.layers * 25)  # 1000 units
+    assert plan_job.replan_budget(big) == planner.dense_valve_budget(1000) < (
+        plan_job.REPLAN_SEARCH_BUDGET)
+
+
 @pytest.mark.parametrize("field,shift", [("tail_s", 0.125), ("level_s", -0.0375),
                                          ("level_s", 0.2)])
 def test_the_tail_and_the_level_move_every_prediction_but_never_the_plan(field, shift):

@@ -13,7 +13,7 @@ from . import plan_selection
 from . import planner as planner_mod
 from .cost_model import Instance
 
-__all__ = ["compute_plan", "plan_key", "REPLAN_SEARCH_BUDGET"]
+__all__ = ["compute_plan", "plan_key", "replan_budget", "REPLAN_SEARCH_BUDGET"]
 
 #: The valve's budget (planner.SEARCH_BUDGET is 10 million) of a re-plan that starts from
 #: the plan in use. Where the valve stops the search (a dense cost), the plan is the best
@@ -25,6 +25,15 @@ __all__ = ["compute_plan", "plan_key", "REPLAN_SEARCH_BUDGET"]
 #: ms; 300 units, 122 cases: the same in 117, up to 0.0033% slower in 5 (where the full
 #: budget finished exactly), CPU of the stopped searches median 354 -> 141 ms.
 REPLAN_SEARCH_BUDGET = 2_500_000
+
+
+def replan_budget(inst):
+    """The valve's count for a re-plan of ``inst`` with a start: the smaller of
+    :data:`REPLAN_SEARCH_BUDGET` and the first plan's own (with a dense cost
+    :func:`~omgs_hook.planner.dense_valve_budget`, a tenth at 1000 units)."""
+    first = (planner_mod.SEARCH_BUDGET if inst.dense is None
+             else planner_mod.dense_valve_budget(inst.num_units))
+    return min(REPLAN_SEARCH_BUDGET, first)
 
 
 def compute_plan(job, strategy, select):
@@ -43,7 +52,7 @@ def compute_plan(job, strategy, select):
     start = job.get("start")
     start = (start["groups"], start["dense"]) if start else None
     unit_plan = planner_mod.make_plan(inst, strategy, start=start,
-                                      budget=REPLAN_SEARCH_BUDGET if start else None)
+                                      budget=replan_budget(inst) if start else None)
     model_key = plan_key(unit_plan)
     out = {"candidates": None, "plan": None, "reason": "model", "model_key": model_key}
     if select == "model":

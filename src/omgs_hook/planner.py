@@ -114,6 +114,8 @@ __all__ = [
     "best_modes",
     "SearchBudgetWarning",
     "SEARCH_BUDGET",
+    "DENSE_FULL_BUDGET_UNITS",
+    "dense_valve_budget",
     "EXACT_UNITS",
     "relaxed_lower_bound",
 ]
@@ -214,7 +216,9 @@ def make_plan(inst: Instance, strategy: str = "optimal", start=None, budget=None
 
     ``budget``: the safety valve's candidate count for this search where the valve
     applies (a dense cost, or beyond :data:`EXACT_UNITS` units); default
-    :data:`SEARCH_BUDGET`. Sparse instances up to ``EXACT_UNITS`` units stay exact."""
+    :data:`SEARCH_BUDGET`, with a dense cost :func:`dense_valve_budget` (smaller beyond
+    :data:`DENSE_FULL_BUDGET_UNITS` units). Sparse instances up to ``EXACT_UNITS`` units
+    stay exact."""
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)
                                or budget < 1):
         raise ValueError(f"make_plan: budget must be a positive int, got {budget!r}")
@@ -634,6 +638,15 @@ EXACT_UNITS = 1000
 # (SearchBudgetWarning). A count, not a time, so that every rank stops at the same
 # point (about half a second to a second of work here).
 SEARCH_BUDGET = 10_000_000
+# With a dense cost, instances of more units than this get a smaller valve:
+# SEARCH_BUDGET * (DENSE_FULL_BUDGET_UNITS / units) ** 2, a tenth at 1000 units
+# (dense_valve_budget). There the exact search never finishes within 10 million, and
+# the turns beyond one million found no better plan on any of the 60 realistic and
+# adversarial instances of 500-1000 units measured (docs/cost-model.md, "A smaller
+# valve for larger dense instances"), while each candidate costs more the more units
+# there are. At 300 units the full budget still matters (8 of 61 plans were worse with
+# one million, by up to 1.5%).
+DENSE_FULL_BUDGET_UNITS = 316
 # Candidate budget of the forward search's first turn in the race of `_search`.
 _RACE_START_BUDGET = 250_000
 # The first turn's factor without a dense cost and with c2 = 0 (see _search).
@@ -808,16 +821,31 @@ def _search(inst: Instance, prefix_sums, known_bounds, boundaries, start=None,
     return _budget_exceeded(inst, _polish(inst, prefix_sums, best_plan), valve_budget)
 
 
+def dense_valve_budget(num_units: int) -> int:
+    """The valve's default candidate count for a plan with a dense cost over
+    ``num_units`` units: :data:`SEARCH_BUDGET` up to :data:`DENSE_FULL_BUDGET_UNITS`
+    units, then falling as ``1 / units**2`` (a tenth at 1000 units), never below
+    ``min(SEARCH_BUDGET, _RACE_START_BUDGET)`` (the first turn's own count)."""
+    full = SEARCH_BUDGET
+    if num_units <= DENSE_FULL_BUDGET_UNITS:
+        return full
+    scaled = int(full * (DENSE_FULL_BUDGET_UNITS / num_units) ** 2)
+    return max(min(full, _RACE_START_BUDGET), scaled)
+
+
 def _valve(inst: Instance, budget=None) -> Optional[int]:
     """The search budget: none (exact) for sparse instances up to EXACT_UNITS units,
-    ``budget`` (default SEARCH_BUDGET) otherwise. With a dense cost the fronts can hold hundreds of thousands
+    ``budget`` where given, otherwise :data:`SEARCH_BUDGET` (:func:`dense_valve_budget`
+    with a dense cost). With a dense cost the fronts can hold hundreds of thousands
     of states (minutes of search on 100-1000 units), and a plan that arrives minutes late
     stalls training - the hook waits for it at the agreed step - so there the valve
     always applies (about a second of work); the measured selection then checks the
     plan against its alternatives anyway."""
     if inst.dense is None and inst.num_units <= EXACT_UNITS:
         return None
-    return SEARCH_BUDGET if budget is None else budget
+    if budget is not None:
+        return budget
+    return SEARCH_BUDGET if inst.dense is None else dense_valve_budget(inst.num_units)
 
 
 # Windows the polish (_polish) of a budget-stopped plan may price in all: a count, so
@@ -939,7 +967,13 @@ def _polish(inst: Instance, prefix_sums, plan):
 
 
 def _budget_exceeded(inst: Instance, best_plan, budget=None):
-    name = f"SEARCH_BUDGET={SEARCH_BUDGET}" if budget is None else f"its budget of {budget}"
+    if budget is not None:
+        name = f"its budget of {budget}"
+    elif inst.dense is not None and _valve(inst) != SEARCH_BUDGET:
+        name = (f"the dense valve of {_valve(inst)} (SEARCH_BUDGET={SEARCH_BUDGET} scaled to "
+                f"{inst.num_units} units)")
+    else:
+        name = f"SEARCH_BUDGET={SEARCH_BUDGET}"
     warnings.warn(
         f"omgs_hook planner: the exact search over {inst.num_units} units exceeded "
         f"{name} candidate states; using the best plan found by a "
