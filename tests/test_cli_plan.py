@@ -138,6 +138,16 @@ BAD_INPUTS = [
     ("{\"layers\": [", "invalid JSON"),
     ("", "invalid JSON"),
     ("42", "input: an instance must be a JSON object"),
+    # valid numbers whose sums the planner cannot form (no traceback, no Infinity out)
+    (dict(INSTANCE, layers=[{"numel": 2**52, "backward_s": 0.1}] * 2),
+     "layers: the total numel must be below 2**53"),
+    (dict(INSTANCE, comm={"alpha_s": 1e-4, "beta_s_per_byte": 1e308}),
+     "comm: prices a group of all"),
+    (dict(INSTANCE, topk={"c0": 0, "c1": 1e306, "c2": 0}), "topk: prices a group of all"),
+    (dict(DENSE_INSTANCE, dense={"alpha_s": 0, "beta_s_per_byte": 1e305}),
+     "dense: prices a group of all"),
+    (dict(INSTANCE, layers=[{"numel": 10, "backward_s": 1e308}] * 2),
+     "layers: the backward times' sum overflows"),
 ]
 
 

@@ -716,10 +716,8 @@ def raise_worker(rank, world_size):
         try:
             loss_fn(ddp(x), y).backward()
             outcomes.append(None)
-        except FloatingPointError as exc:
-            outcomes.append(str(exc))
-        except RuntimeError as exc:  # DDP may wrap the hook's error
-            outcomes.append(str(exc) if "NaN/Inf" in str(exc) else "other: " + str(exc))
+        except Exception as exc:  # noqa: BLE001 - the test checks the type
+            outcomes.append(f"{type(exc).__name__}: {exc}")
     dense = state.stats()["last"]["group_dense"]
     del ddp, state
     gc.collect()
@@ -736,7 +734,8 @@ def test_two_level_dense_groups_raise_on_nonfinite_when_asked():
         # only rank 3's
         assert r["dense"] == [True] * len(GROUPS), r
         assert r["outcomes"][:3] == [None, None, None], r
-        assert r["outcomes"][3] is not None and "NaN/Inf" in r["outcomes"][3], r
+        assert r["outcomes"][3] is not None and r["outcomes"][3].startswith(
+            "FloatingPointError: omgs_hook: a rank's gradient holds NaN/Inf"), r
 
 
 def disagreeing_topology_worker(rank, world_size):

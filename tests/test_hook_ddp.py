@@ -266,10 +266,14 @@ def straggler_worker(rank, world_size, delay_s):
             "instance": instance.to_dict(), "replans": stats["total"]["replans"]}
 
 
-def mismatch_worker(rank, world_size):
+MISMATCHED = {"density": ({"density": 0.01}, {"density": 0.02}),
+              "measured_comm": ({"measured_comm": True}, {"measured_comm": False})}
+
+
+def mismatch_worker(rank, world_size, option="density"):
     model = Net()
     ddp = DDP(model, bucket_cap_mb=0)
-    omgs_hook.register(ddp, density=0.01 if rank == 0 else 0.02, warmup_steps=0)
+    omgs_hook.register(ddp, warmup_steps=0, **MISMATCHED[option][rank])
     x, y = batch(0, rank)
     try:
         loss_fn(ddp(x), y).backward()
@@ -282,6 +286,7 @@ def mismatch_worker(rank, world_size):
 
 
 def nonfinite_worker(rank, world_size, bad_step):
+    messages = capture_log()
     torch.manual_seed(0)
     model = Net()
     ddp = DDP(model, bucket_cap_mb=0)
@@ -311,6 +316,43 @@ def nonfinite_worker(rank, world_size, bad_step):
             "scale_dropped": scaler.get_scale() < scale_before,
             "stats_nonfinite": state.stats()["last"]["nonfinite"],
             "residual_finite": all(bool(torch.isfinite(v).all()) for v in after_res.values()),
+            "nonfinite_warnings": sum("NaN/Inf" in m for m in messages),
+        })
+    del ddp, state
+    gc.collect()
+    return log
+
+
+def nonfinite_raise_worker(rank, world_size, bad_step, options):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=1, nonfinite="raise",
+                               **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    log = []
+    for step in range(bad_step + 2):
+        x, y = batch(step, rank)
+        if step == bad_step and rank == 1:
+            x[0, 0] = float("inf")
+        before_res = flat_residuals(state)
+        opt.zero_grad()
+        outcome = None
+        try:
+            loss_fn(ddp(x), y).backward()
+        except FloatingPointError as exc:
+            outcome = "FloatingPointError: " + str(exc)
+        except Exception as exc:  # noqa: BLE001 - the test reports what it got
+            outcome = f"{type(exc).__name__}: {exc}"
+        after_res = flat_residuals(state)
+        grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        if outcome is None:
+            opt.step()
+        log.append({
+            "step": step, "outcome": outcome, "grads_finite": grads_finite,
+            "residual_unchanged": before_res.keys() == after_res.keys()
+            and all(torch.equal(before_res[k], after_res[k]) for k in before_res),
+            "nonfinite_steps": state.stats()["total"]["nonfinite_steps"],
         })
     del ddp, state
     gc.collect()
@@ -583,10 +625,12 @@ def test_plan_is_made_for_the_slowest_rank():
 
 
 @pytest.mark.timeout(120)
-def test_ranks_configured_differently_fail_at_first_step():
-    results = run_ranks("test_hook_ddp", "mismatch_worker", world_size=2)
+@pytest.mark.parametrize("option", sorted(MISMATCHED))
+def test_ranks_configured_differently_fail_at_first_step(option):
+    results = run_ranks("test_hook_ddp", "mismatch_worker", world_size=2, option=option)
     for message in results:
-        assert "configured differently" in message and "density" in message, message
+        assert "configured differently" in message and f"{option} (this rank" in message, \
+            message
 
 
 @pytest.mark.timeout(120)
@@ -600,6 +644,30 @@ def test_nonfinite_step_is_skipped_and_residual_kept():
             assert entry["grads_finite"] and not entry["stats_nonfinite"], entry
         assert not log[4]["residual_unchanged"] and not log[4]["params_unchanged"]
         assert all(e["residual_finite"] for e in log)
+        # said once, on every rank, at the step it happened
+        assert [e["nonfinite_warnings"] for e in log] == [0, 0, 0, 1, 1], log
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("options", [
+    {"strategy": "layerwise", "allow_dense": False},
+    {"plan": {"groups": [[0, 1, 2], [3, 4, 5]], "dense": [True, False]}},
+], ids=["sparse", "dense-and-sparse"])
+def test_nonfinite_raise_gives_floating_point_error_and_the_next_step_trains(options):
+    """nonfinite="raise": backward() raises FloatingPointError itself on every rank (not
+    DDP's "Unable to cast" RuntimeError), the residuals are kept bit for bit, and DDP is
+    left ready for the next step, which trains normally."""
+    results = run_ranks("test_hook_ddp", "nonfinite_raise_worker", world_size=2,
+                        bad_step=3, options=options)
+    for log in results:
+        bad = log[3]
+        assert bad["outcome"] is not None and bad["outcome"].startswith(
+            "FloatingPointError: omgs_hook: a rank's gradient holds NaN/Inf"), bad
+        assert bad["residual_unchanged"] and not bad["grads_finite"], bad
+        assert bad["nonfinite_steps"] == 1, bad
+        for entry in log[:3] + log[4:]:
+            assert entry["outcome"] is None and entry["grads_finite"], entry
+        assert not log[4]["residual_unchanged"] and log[4]["nonfinite_steps"] == 1
 
 
 @pytest.mark.timeout(120)

@@ -398,6 +398,67 @@ def test_a_checkpoint_written_by_rank_zero_alone_is_refused_on_the_other_ranks(t
     assert results[1]["reset_residuals"] == 0  # reset drops rank 0's residuals on rank 1
 
 
+def rank_zero_checkpoint_reset_training_worker(rank, world_size, path):
+    """Rank 0 alone saves the hook's state mid-run (a plan in use, a trial behind it);
+    every rank loads it with on_world_size_change="reset" into a fresh DDP model and
+    trains on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    options = dict(density=0.1, warmup_steps=1, log_every=0, allow_dense=False)
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, **options)
+    generator = torch.Generator().manual_seed(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def train(ddp, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            ddp(torch.randn(4, 16, generator=generator)).square().mean().backward()
+            opt.step()
+
+    train(ddp, 6)
+    if rank == 0:
+        torch.save(state.state_dict(), path)
+    dist.barrier()
+    saved = torch.load(path, weights_only=True)
+    state.close()
+    del ddp
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, on_world_size_change="reset", **options)
+    state.load_state_dict(saved)
+    out = {"residuals_after_load": len(state.memory),
+           "plan_after_load": state.plan.to_dict() if state.plan is not None else None,
+           "saved_plan": saved.get("plan")}
+    try:
+        train(ddp, 4)
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    out["replicas_equal"] = all(torch.equal(gathered[0], g) for g in gathered)
+    out["residuals_after_training"] = len(state.memory)
+    state.close()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_reset_of_a_rank_zero_checkpoint_keeps_the_ranks_in_agreement(tmp_path):
+    """on_world_size_change="reset" with one checkpoint loaded everywhere: rank 0 keeps
+    its own residuals, rank 1 drops rank 0's, and both keep the checkpoint's plan and
+    trial state, which every rank shares: the first step's consistency check passes and
+    training goes on (before, rank 1 alone dropped the plan and the first step failed
+    with "ranks are configured differently: plan ...")."""
+    results = run_ranks("test_hook_validation", "rank_zero_checkpoint_reset_training_worker",
+                        world_size=2, path=str(tmp_path / "hook.pt"))
+    assert results[0]["residuals_after_load"] > 0 and results[1]["residuals_after_load"] == 0
+    for r in results:
+        assert r["saved_plan"] is not None and r["plan_after_load"] == r["saved_plan"], r
+        assert r["error"] is None, r
+        assert r["replicas_equal"] and r["residuals_after_training"] > 0, r
+
+
 def test_a_parameter_beyond_the_int32_index_range_is_refused_at_construction(monkeypatch):
     from omgs_hook import cost_model
 
@@ -457,3 +518,20 @@ def test_groups_are_sent_when_their_last_parameter_arrives_in_plan_order():
     # the next step starts afresh
     state._start_group_tracking()
     assert state._group_missing == [2, 1, 2, 1]  # (every group pending again)
+
+
+def test_a_residual_of_a_parameter_gone_since_the_checkpoint_is_named_with_the_way_out():
+    """A layer frozen or removed since the checkpoint: the error says how to go on
+    without its residual - nothing is dropped silently."""
+    from omgs_hook.residual_memory import check_residuals
+
+    saved = {"0.weight": torch.zeros(8, 16), "frozen.bias": torch.ones(8)}
+    shapes = {"0.weight": (8, 16)}
+    with pytest.raises(ValueError) as caught:
+        check_residuals(saved, shapes)
+    assert "'frozen.bias': no such trainable parameter" in str(caught.value)
+    assert "sd['residuals'].pop('frozen.bias')" in str(caught.value)
+    with pytest.raises(ValueError, match=r"sd\['residuals_before_last_step'\]\.pop"):
+        check_residuals(saved, shapes, where="residuals_before_last_step")
+    saved.pop("frozen.bias")  # the way out the message gives
+    check_residuals(saved, shapes)

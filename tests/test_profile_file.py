@@ -133,6 +133,10 @@ _DELETE = object()
     (("topk_all", "torch", "c1"), -3.0, "topk_all.torch.c1", "non-negative"),
     (("topk_all", "torch"), 5, "topk_all.torch", "must be an object"),
     (("settings", "topk_density"), 2.0, "settings.topk_density", r"\(0, 1\]"),
+    # finite, but pricing anything at inf: the planner would compare inf and NaN
+    (("comm", "beta_s_per_byte"), 1e308, "comm", "beyond any physical range"),
+    (("topk", "c1"), 1e300, "topk", "beyond any physical range"),
+    (("topk_all", "torch", "c2"), 1e299, "topk_all.torch", "beyond any physical range"),
 ])
 def test_bad_fields_are_named(tmp_path, keys, value, field, message):
     path = _write(tmp_path, _mutate(keys, value))

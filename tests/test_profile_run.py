@@ -425,7 +425,9 @@ def test_bad_options_are_rejected_before_launching(argv, message, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--sizes", "1K"], "at least 2 distinct sizes"),
     (["--topk-sizes", "1000,2000"], "at least 3 distinct sizes"),
-    (["--topk-backends", "nonsense"], "nonsense cannot run on cpu"),
+    (["--topk-backends", "nonsense"], r"unknown backend nonsense \(known: torch, sampled, cupy\)"),
+    (["--device", "cpu", "--topk-backends", "torch,cupy"], "cupy cannot run on cpu"),
+    (["--backend", "carrier-pigeon"], "--backend carrier-pigeon: not available"),
 ])
 def test_unfittable_sweeps_are_rejected_before_launching(argv, message, monkeypatch):
     for name in ("RANK", "WORLD_SIZE"):
@@ -852,3 +854,40 @@ def test_two_rank_profile_with_a_small_budget_stops_growing_and_says_why(tmp_pat
         r["spent_s"] for r in sweep["sections"].values())
     profile = load_profile(out)
     assert profile.world_size == 2 and profile.comm.alpha_s == document["comm"]["alpha_s"]
+
+
+def _never_measure(*args, **kwargs):
+    raise AssertionError("the sweep must not start")
+
+
+@pytest.mark.parametrize("where", ["a directory", "below a file", "plot below a file"])
+def test_an_output_that_cannot_be_written_is_refused_before_measuring(tmp_path, monkeypatch,
+                                                                     where):
+    """--out (or --plot) pointing at a directory, or below a file, fails at once with
+    a message naming the option - not after a sweep of minutes, with a traceback."""
+    from omgs_hook import profile_run
+
+    monkeypatch.setattr(profile_run, "measure", _never_measure)
+    monkeypatch.setattr(profile_run.dist, "init_process_group", _never_measure)
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    argv = {"a directory": ["--out", str(tmp_path)],
+            "below a file": ["--out", str(blocker / "p.json")],
+            "plot below a file": ["--out", str(tmp_path / "p.json"),
+                                  "--plot", str(blocker / "p.png")]}[where]
+    with pytest.raises(SystemExit) as caught:
+        profile_run.main(argv + ["--quick"])
+    message = str(caught.value)
+    option = "--plot" if where.startswith("plot") else "--out"
+    assert message.startswith(f"omgs-profile: {option}: "), message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # no probe left
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
+    from omgs_hook import profile_run
+
+    target = tmp_path / "profile.json"
+    target.mkdir()  # os.replace onto a directory fails
+    with pytest.raises(OSError):
+        profile_run.write_json_atomically(str(target), {"a": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]

@@ -479,6 +479,28 @@ class Instance:
                 raise InstanceError("hierarchy.ranks_per_node",
                                     f"world_size {self.world_size} is not divisible by "
                                     f"ranks_per_node {L}")
+        self._check_priced()
+
+    def _check_priced(self):
+        """Every sum the planner forms must stay finite: element counts exact in float64
+        (below 2**53), and one group of every unit priced finitely by each cost (finite
+        coefficients near 1e308 overflow to inf, and the planner would compare inf and
+        NaN)."""
+        total = sum(unit.numel for unit in self.layers)
+        if total >= 2**53:
+            raise InstanceError("layers", f"the total numel must be below 2**53, got {total}")
+        if not math.isfinite(sum(unit.backward_s for unit in self.layers)):
+            raise InstanceError("layers", "the backward times' sum overflows to inf")
+        entry = self.value_bytes + self.index_bytes
+        costs = [("topk", self.topk, total),
+                 ("comm", self.comm, float(entry) * total * self.world_size)]
+        if self.dense is not None:
+            costs.append(("dense", self.dense, float(self.value_bytes) * total))
+        for name, cost, size in costs:
+            if not math.isfinite(cost.time(size)):
+                raise InstanceError(name, f"prices a group of all {total} elements at inf: "
+                                          "the coefficients are beyond any physical range "
+                                          "(seconds, bytes)")
 
     # -- the three cost terms of one group of `numel` elements ---------------------------
 

@@ -478,7 +478,9 @@ class OMGSState:
         nonfinite (str): what to do when any rank's gradient holds NaN/Inf: ``"skip"``
             (default) - every rank gets a non-finite gradient for the affected group (so
             an AMP ``GradScaler`` skips the step) and the residual stays exactly as it
-            was; ``"raise"`` - raise from ``backward()``.
+            was; ``"raise"`` - the same, and then ``backward()`` raises
+            :class:`FloatingPointError` on every rank (after DDP has finished the
+            step, so the next step runs normally).
         log_every (int): log a one-line summary at INFO every this many steps (0: never).
         module: the model (``ddp_model.module``). Gives residuals their parameter names
             in ``state_dict()`` and times the forward pass. :func:`register` passes it.
@@ -988,6 +990,9 @@ class OMGSState:
             "allow_dense": repr(self.allow_dense),
             "min_sparse_numel": repr(self.min_sparse_numel),
             "refit_online": repr(self.refit_online),
+            # scales the costs every rank plans with (a mismatch changed no plan in a
+            # test of 80 steps, but nothing guaranteed it)
+            "measured_comm": repr(self.measured_comm),
             "local_clip_norm": repr(self.local_clip_norm),
             "track_staleness": repr(self.track_staleness),
             "topology": self.topology.describe(),
@@ -1146,6 +1151,34 @@ class OMGSState:
         # (loaded: saved again before the decision of the checkpoint it was resumed from)
         return loaded if loaded is not None else self.memory.undo_state_dict()
 
+    def _raise_after_ddp(self):
+        """With ``nonfinite="raise"``: queue, on the autograd engine, a check that raises
+        :class:`FloatingPointError` from ``backward()`` when this step turned out
+        non-finite. It must run after DDP's own end-of-backward callback (which waits for
+        the bucket futures and copies the gradients out): DDP queues that one after the
+        hook has seen the last bucket, so this one is queued now and queues the check
+        when it runs, behind DDP's. Returns False where the engine takes no callback (a
+        hook called outside a backward pass): the exchange then fails the futures."""
+        engine = torch.autograd.Variable._execution_engine
+
+        def check():
+            exchange = self._exchange
+            if exchange is not None and exchange.finished and exchange.nonfinite \
+                    and exchange.error is None:
+                raise FloatingPointError(
+                    "omgs_hook: a rank's gradient holds NaN/Inf (nonfinite='raise'): the "
+                    "gradients of this step are NaN and its residual updates were "
+                    "discarded")
+
+        def behind_ddp():
+            engine.queue_callback(check)
+
+        try:
+            engine.queue_callback(behind_ddp)
+        except RuntimeError:
+            return False
+        return True
+
     def _begin_step(self, bucket):
         # (before the step's clock: the re-plan belongs to the step that started it, as
         # the trial's and the model's step times always counted it)
@@ -1215,7 +1248,12 @@ class OMGSState:
             self.density_at(self.step),
             on_finished=self._on_step_finished,
             on_comm_sample=self._fitter.add if self._fitter is not None else None,
-            raise_on_nonfinite=self.nonfinite == "raise",
+            # "raise": the step completes as a skipped one (NaN gradients, residuals
+            # kept) and FloatingPointError is raised once DDP has finished its own
+            # backward work (_raise_after_ddp); failing the bucket futures instead made
+            # DDP turn it into "RuntimeError: Unable to cast ..."
+            raise_on_nonfinite=(self.nonfinite == "raise"
+                                and not self._raise_after_ddp()),
             clip_per_sqrt_element=self._clip_per_sqrt_element(),
             measure_health=self.step % HEALTH_EVERY == 0,
             track_staleness=self.track_staleness,
@@ -2076,6 +2114,15 @@ class OMGSState:
     def _on_step_finished(self, exchange):
         if exchange.nonfinite:
             self._totals["nonfinite_steps"] += 1
+            count = self._totals["nonfinite_steps"]
+            if self.nonfinite == "skip" and count & (count - 1) == 0:  # 1, 2, 4, ...
+                # without a GradScaler the optimizer applies the NaN gradients, as with
+                # plain DDP: say so, without flooding a run that overflows often
+                logger.warning(
+                    "omgs_hook: step %d: a rank's gradient holds NaN/Inf; this step's "
+                    "gradients are NaN (a GradScaler skips such a step) and the residuals "
+                    "are kept as they were (%d such steps so far; nonfinite='raise' makes "
+                    "backward() raise instead)", exchange.step_number, count)
         if exchange.error is not None:
             return
         self.meter.step_finished(exchange.finish_wall)
@@ -2502,20 +2549,21 @@ class OMGSState:
 
     def _residual_mismatch(self, sd):
         """Why the residuals of state dict ``sd`` are not this rank's to load - another world
-        size, another rank, another topology: a message naming the problem - or None.
+        size, another rank, another topology - as ``(kind, message)``: kind ``"world"``,
+        ``"rank"`` or ``"topology"``, the message naming the problem; or None.
         (Resolves the topology when the others match: it is compared too.)"""
         if not dist.is_initialized():
             return None
         saved_world = sd.get("world_size")
         if saved_world is not None and saved_world != self.world_size:
-            return (f"state saved with world_size={saved_world}, this run has "
+            return "world", (f"state saved with world_size={saved_world}, this run has "
                     f"world_size={self.world_size}: residuals are per-rank error feedback and "
                     "cannot be re-split; pass on_world_size_change='reset' to drop them")
         saved_rank, own_rank = sd.get("rank"), dist.get_rank(self.process_group)
         if saved_rank is not None and saved_rank != own_rank:
             # typically a checkpoint written by rank 0 alone and loaded by every rank:
             # rank 0's residual would be counted world_size times, the others' lost
-            return (f"rank: state saved by rank {saved_rank}, loaded on rank {own_rank}: "
+            return "rank", (f"rank: state saved by rank {saved_rank}, loaded on rank {own_rank}: "
                     "residuals are each rank's own error feedback, so every rank must "
                     "save its own state_dict() and load that one (e.g. "
                     "f'omgs_state.rank{rank}.pt'); pass on_world_size_change='reset' "
@@ -2523,7 +2571,7 @@ class OMGSState:
         self._setup_topology()
         saved_topo, own_topo = sd.get("topology"), self._saved_topology()
         if saved_topo != own_topo:
-            return (f"topology: state saved with topology {saved_topo or 'flat'}, this "
+            return "topology", (f"topology: state saved with topology {saved_topo or 'flat'}, this "
                     f"run has {own_topo or 'flat'}: residuals are per-rank (per-shard "
                     "with the two-level exchange) error feedback and cannot be "
                     "re-split; pass on_world_size_change='reset' to drop them")
@@ -2544,8 +2592,13 @@ class OMGSState:
         residuals = sd.get("residuals", {})
         mismatch = self._residual_mismatch(sd)
         if mismatch is not None and self.on_world_size_change == "error":
-            raise ValueError(mismatch)
+            raise ValueError(mismatch[1])
         drop_residuals = mismatch is not None
+        # Another world size or topology is the same finding on every rank, and the plan
+        # was made for the old one. Another rank's state (a checkpoint rank 0 wrote alone)
+        # is not: rank 0 keeps its residuals, so the plan, the trial and the rest that
+        # every rank shares must stay on every rank too, or the ranks would disagree.
+        layout_changed = mismatch is not None and mismatch[0] != "rank"
         if not drop_residuals:
             self.memory.load_state_dict(residuals, self._shapes if self.module is not None else None)
         else:
@@ -2568,7 +2621,7 @@ class OMGSState:
         if changed and self.plan is not None:
             logger.info("omgs_hook: options changed since the checkpoint (%s): its plan is "
                         "dropped, the next step re-plans", ", ".join(changed))
-        replan = drop_residuals or bool(changed)
+        replan = layout_changed or bool(changed)
         if replan:
             self.plan = None  # planned for another world size or other options
         self.step = int(sd.get("step", 0))
@@ -2578,7 +2631,7 @@ class OMGSState:
         before = sd.get("residuals_before_last_step")
         if (before and not drop_residuals and self.on_unapplied == "rewind"
                 and self.module is not None):
-            check_residuals(before, self._shapes)
+            check_residuals(before, self._shapes, where="residuals_before_last_step")
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._applied_check = (params, [p._version for p in params],
                                    {k: v.detach().clone() for k, v in before.items()})

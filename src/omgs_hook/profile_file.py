@@ -211,19 +211,34 @@ def _section(path, data, key):
     return section
 
 
+#: a profile's costs must price a message (bytes) or a top-k (elements) of this size
+#: finitely: finite coefficients so large that the planner's sums overflow to inf (1e308
+#: s/byte) would plan from inf and NaN
+PRICED_UP_TO = 2.0**40
+
+
+def _finite_up_to_limit(path, key, cost):
+    price = cost.time(PRICED_UP_TO)  # (Python floats: an overflow is inf, not an error)
+    if not math.isfinite(price):
+        _fail(path, key, f"prices {PRICED_UP_TO:.3g} bytes or elements at {price!r}: "
+                         "the coefficients are far beyond any physical range (seconds, "
+                         "bytes)")
+    return cost
+
+
 def _linear(path, data, key):
     section = _section(path, data, key)
     values = {}
     for name in ("alpha_s", "beta_s_per_byte"):
         values[name] = _number(path, f"{key}.{name}", section.get(name))
-    return LinearCost(**values)
+    return _finite_up_to_limit(path, key, LinearCost(**values))
 
 
 def _topk_cost(path, section, prefix):
     values = {}
     for name in ("c0", "c1", "c2"):
         values[name] = _number(path, f"{prefix}.{name}", section.get(name))
-    return TopkCost(**values)
+    return _finite_up_to_limit(path, prefix, TopkCost(**values))
 
 
 def _text(path, key, value):

@@ -85,6 +85,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -620,6 +621,9 @@ def choose_backend_and_device(backend, device_choice):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if not dist.is_backend_available(backend):  # (nccl without CUDA is named above)
+        raise SystemExit(f"omgs-profile: --backend {backend}: not available in this torch "
+                         "build (gloo everywhere, nccl with CUDA)")
     return backend, device
 
 
@@ -955,10 +959,32 @@ def write_json_atomically(path, document):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(document, handle, indent=1)
-        handle.write("\n")
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(document, handle, indent=1)
+            handle.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)  # no stray half-written file beside the target
+        raise
+
+
+def check_output_path(path, option):
+    """Fail now, before any measuring, where ``path`` cannot be written later: a
+    directory, or a folder that cannot be created or written to. Creates the folder
+    (as the write would) and a probe file in it, removed at once. Raises SystemExit
+    naming ``option``."""
+    if os.path.isdir(path):
+        raise SystemExit(f"omgs-profile: {option}: {path} is a directory; give a file path")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".omgs-profile-probe"):
+            pass
+    except OSError as exc:
+        raise SystemExit(f"omgs-profile: {option}: cannot write {path} ({exc.strerror or exc}); "
+                         "nothing was measured") from exc
 
 
 def plot_profile(document, path):
@@ -1099,13 +1125,21 @@ class _NoProgress:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     settings = resolve_settings(args)
+    if os.environ.get("RANK", "0") == "0":  # the rank that writes them, before measuring
+        check_output_path(args.out, "--out")
+        if args.plot and not args.no_plot:
+            check_output_path(args.plot, "--plot")
     backend, device = choose_backend_and_device(args.backend, args.device)
 
-    from omgs_hook.topk import available_backends, get_selector
+    from omgs_hook.topk import BACKENDS, available_backends, get_selector
 
     usable = available_backends(device)
     if args.topk_backends:
         topk_backends = [b.strip() for b in args.topk_backends.split(",") if b.strip()]
+        unknown = [b for b in topk_backends if b not in BACKENDS]
+        if unknown:
+            raise SystemExit(f"omgs-profile: --topk-backends: unknown backend "
+                             f"{', '.join(unknown)} (known: {', '.join(BACKENDS)})")
         missing = [b for b in topk_backends if b not in usable]
         if missing:
             raise SystemExit(f"omgs-profile: --topk-backends: {', '.join(missing)} cannot run on "

@@ -122,10 +122,11 @@ def _concatenation(numels):
     return numels, tuple(offsets), total
 
 
-def check_residuals(residuals, expected_shapes=None):
+def check_residuals(residuals, expected_shapes=None, where="residuals"):
     """Raise ValueError naming the first entry of ``residuals`` ({name: tensor}) that is
     not a float tensor, or (with ``expected_shapes``, {name: shape}) names no parameter or
-    has another shape."""
+    has another shape. ``where``: the state dict's key that holds ``residuals`` (named in
+    the hint of how to drop an entry)."""
     if not isinstance(residuals, dict):
         raise ValueError("residuals must be a dict {parameter name: tensor}")
     for key, tensor in residuals.items():
@@ -136,7 +137,10 @@ def check_residuals(residuals, expected_shapes=None):
         if expected_shapes is not None:
             if key not in expected_shapes:
                 raise ValueError(
-                    f"residual for {key!r}: no such trainable parameter in the module"
+                    f"residual for {key!r}: no such trainable parameter in the module (a "
+                    "parameter renamed, removed or frozen since the checkpoint; to go on "
+                    "without its unsent error feedback, delete it from the state dict "
+                    f"first: sd[{where!r}].pop({key!r}))"
                 )
             if tuple(tensor.shape) != tuple(expected_shapes[key]):
                 raise ValueError(
