@@ -323,10 +323,10 @@ def nonfinite_worker(rank, world_size, bad_step):
     return log
 
 
-def nonfinite_raise_worker(rank, world_size, bad_step, options):
+def nonfinite_raise_worker(rank, world_size, bad_step, options, ddp_options=None):
     torch.manual_seed(0)
     model = Net()
-    ddp = DDP(model, bucket_cap_mb=0)
+    ddp = DDP(model, bucket_cap_mb=0, **(ddp_options or {}))
     state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=1, nonfinite="raise",
                                **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -649,16 +649,20 @@ def test_nonfinite_step_is_skipped_and_residual_kept():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("options", [
-    {"strategy": "layerwise", "allow_dense": False},
-    {"plan": {"groups": [[0, 1, 2], [3, 4, 5]], "dense": [True, False]}},
-], ids=["sparse", "dense-and-sparse"])
-def test_nonfinite_raise_gives_floating_point_error_and_the_next_step_trains(options):
+@pytest.mark.parametrize("options, ddp_options", [
+    ({"strategy": "layerwise", "allow_dense": False}, None),
+    ({"plan": {"groups": [[0, 1, 2], [3, 4, 5]], "dense": [True, False]}}, None),
+    # DDP calls the hook from its own end-of-backward callback in the first step
+    ({"strategy": "layerwise", "allow_dense": False}, {"static_graph": True}),
+    ({"strategy": "single", "allow_dense": False}, {"find_unused_parameters": True}),
+], ids=["sparse", "dense-and-sparse", "static-graph", "find-unused"])
+def test_nonfinite_raise_gives_floating_point_error_and_the_next_step_trains(options,
+                                                                            ddp_options):
     """nonfinite="raise": backward() raises FloatingPointError itself on every rank (not
     DDP's "Unable to cast" RuntimeError), the residuals are kept bit for bit, and DDP is
     left ready for the next step, which trains normally."""
     results = run_ranks("test_hook_ddp", "nonfinite_raise_worker", world_size=2,
-                        bad_step=3, options=options)
+                        bad_step=3, options=options, ddp_options=ddp_options)
     for log in results:
         bad = log[3]
         assert bad["outcome"] is not None and bad["outcome"].startswith(
