@@ -3,6 +3,7 @@ error-feedback health and staleness figures, summary() and plot_timeline()."""
 
 import gc
 import math
+import re
 
 import pytest
 import torch
@@ -83,7 +84,8 @@ def extras_worker(rank, world_size, png):
     state.close()
     del ddp
     gc.collect()
-    return before, health, staleness, residual_now, text, s["last"]["groups"]
+    return (before, health, staleness, residual_now, text, s["last"]["groups"],
+            s["plan_history"][-1]["step"])
 
 
 @pytest.mark.timeout(120)
@@ -91,7 +93,7 @@ def test_health_staleness_summary_and_timeline_plot(tmp_path):
     png = tmp_path / "timeline.png"
     results = run_ranks("test_hook_extras", "extras_worker", world_size=2, timeout=100,
                         png=str(png))
-    for before, health, staleness, residual_now, text, groups in results:
+    for before, health, staleness, residual_now, text, groups, since in results:
         assert "no plan yet" in before
         assert health["step"] == 21
         assert health["residual_norm"] == pytest.approx(residual_now, rel=1e-5)
@@ -104,6 +106,9 @@ def test_health_staleness_summary_and_timeline_plot(tmp_path):
         assert f"{groups} groups" in text and "group 0:" in text and "sparse" in text
         assert "dense not allowed" in text and "achieved density" in text
         assert "bytes sent per step" in text and "predicted" in text
+        assert re.search(r"\(the prediction \d+% (low|high)\)", text), text
+        # since the plan went into use (its plan_history entry), not its last re-plan
+        assert f"in use since step {since}" in text, text
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -47,6 +47,14 @@ from ddp_harness import run_ranks
         ({"plan": [{"groups": [[0]]}, {"groups": [[0]]}]}, "plan"),
         ({"plan": {"plan": None, "format_version": 1}}, "plan"),
         ({"plan": "/nonexistent/plan.json"}, "plan"),
+        # a flag from a config file or a command line: "False" must not read as True
+        ({"allow_dense": "False"}, "allow_dense must be True or False, got 'False'"),
+        ({"allow_dense": 0}, "allow_dense must be True or False"),
+        ({"refit_online": "no"}, "refit_online must be True or False"),
+        ({"measured_comm": None}, "measured_comm must be True or False"),
+        ({"track_staleness": 1}, "track_staleness must be True or False"),
+        ({"density": torch.tensor(0.1)}, r"density must be a number in \(0, 1\], got a tensor"),
+        ({"process_group": "x"}, "process_group must be a torch.distributed ProcessGroup"),
     ],
 )
 def test_bad_options_name_the_problem(options, message):

@@ -34,7 +34,8 @@ def _equal(a, b):
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def gan_worker(rank, world_size, mode, iterations=8, two_level=False, set_to_none=True):
+def gan_worker(rank, world_size, mode, iterations=8, two_level=False, set_to_none=True,
+               fused=False):
     """``mode``: "rewind", "keep" (on_unapplied) or "nosync" (the generator-side backward
     under ``no_sync``, so the hook never sees it: the reference for "rewind")."""
     torch.manual_seed(0)
@@ -48,7 +49,8 @@ def gan_worker(rank, world_size, mode, iterations=8, two_level=False, set_to_non
         options.update(topology="hierarchical", ranks_per_node=2,
                        plan={"groups": [[0, 1, 2, 3]]})
     state = omgs_hook.register(ddp, **options)
-    opt = torch.optim.SGD(disc.parameters(), lr=0.05, momentum=0.9)
+    # fused: updates the parameters in place without moving their versions
+    opt = torch.optim.SGD(disc.parameters(), lr=0.05, momentum=0.9, fused=fused or None)
     g = torch.Generator().manual_seed(rank + 1)
     restored, moved = [], []
     after_d = None
@@ -103,6 +105,52 @@ def test_gradients_zeroed_in_place_count_as_cleared():
     for r in range(2):
         assert all(rewind[r]["restored"]) and rewind[r]["rewound"] == 7
         assert torch.equal(rewind[r]["params"], nosync[r]["params"])
+
+
+def test_a_fused_optimizers_steps_count_as_applied_and_the_discarded_step_still_rewinds():
+    """Fused optimizers (SGD/Adam fused=True) update the parameters without moving their
+    versions; their steps are seen through torch.optim's step hook instead. A step no
+    optimizer applied (the generator's) is still rewound."""
+    kwargs = dict(world_size=2, timeout=100, fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no streak warning either
+        rewind = run_ranks("test_unapplied", "gan_worker", mode="rewind", **kwargs)
+    nosync = run_ranks("test_unapplied", "gan_worker", mode="nosync", **kwargs)
+    for r in range(2):
+        assert all(rewind[r]["restored"]) and all(rewind[r]["moved"])
+        assert rewind[r]["rewound"] == 7  # the generator steps only, as with plain SGD
+        assert torch.equal(rewind[r]["params"], nosync[r]["params"])
+
+
+def fused_training_worker(rank, world_size, optimizer):
+    """Ordinary training with a fused optimizer: no step is discarded. Before the step
+    hook, every step looked discarded here (gradients cleared, no version moved): three
+    were rewound, then rewinding was turned off with a warning."""
+    torch.manual_seed(0)
+    disc = _disc()
+    ddp = DDP(disc, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, **SPARSE)
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05, fused=True),
+            "adam": lambda p: torch.optim.Adam(p, lr=1e-3, fused=True)}[optimizer]
+    opt = make(disc.parameters())
+    g = torch.Generator().manual_seed(rank + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(UNAPPLIED_STREAK_LIMIT + 4):
+            opt.zero_grad()
+            ddp(torch.randn(6, 8, generator=g)).pow(2).mean().backward()
+            opt.step()
+    total = state.stats()["total"]
+    state.close()
+    return {"rewound": total["rewound_steps"], "policy": state.on_unapplied,
+            "warned": sum("rewinding is off" in str(w.message) for w in caught)}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_ordinary_training_with_a_fused_optimizer_rewinds_nothing(optimizer):
+    for result in run_ranks("test_unapplied", "fused_training_worker", world_size=2,
+                            timeout=100, optimizer=optimizer):
+        assert result == {"rewound": 0, "policy": "rewind", "warned": 0}, result
 
 
 def test_the_two_level_exchange_rewinds_its_shard_residuals_the_same_way():
@@ -225,3 +273,39 @@ def test_a_checkpoint_taken_after_the_generator_step_resumes_bit_exactly(mode):
         assert torch.equal(a["params"], b["params"])
         assert a["rewound"] == (7 if mode == "rewind" else 0)
         assert b["rewound"] == a["rewound"]  # the totals travel with the checkpoint
+
+
+def copy_worker(rank, world_size):
+    """After register(): the module can be deep-copied (an EMA model) and pickled
+    (torch.save of the whole module), as with plain DDP; the copies carry no-op hooks
+    (they are not the DDP model), and the original's hooks still work."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    disc = _disc()
+    ddp = DDP(disc, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, **SPARSE)
+    opt = torch.optim.SGD(disc.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank + 1)
+    ema = copy.deepcopy(ddp.module)
+    buffer = io.BytesIO()
+    torch.save(ddp.module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(6, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+        ema(torch.randn(6, 8, generator=g)).sum().backward()  # not the DDP model
+        loaded(torch.randn(6, 8, generator=g))
+    total = state.stats()["total"]
+    state.close()
+    return {"steps": total["steps"], "rewound": total["rewound_steps"],
+            "ema_hooks": len(ema._forward_pre_hooks)}
+
+
+def test_the_module_can_be_deep_copied_and_pickled_after_register():
+    for result in run_ranks("test_unapplied", "copy_worker", world_size=2, timeout=100):
+        assert result["steps"] == 3 and result["rewound"] == 0, result
+        assert result["ema_hooks"] == 1, result  # the no-op copy

@@ -59,10 +59,12 @@ import statistics
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import communicator
 from . import cost_model
@@ -159,10 +161,51 @@ def planner_has_a_core(world_size):
 
 
 def _check_fraction(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            0.0 < float(value) <= 1.0):  # NaN fails the comparison too
+    # (NumPy scalars are numbers; a tensor is not: it is named as such)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                     np.floating)):
+        kind = "a tensor" if torch.is_tensor(value) else type(value).__name__
+        raise ValueError(f"{name} must be a number in (0, 1], got {kind}: {value!r}")
+    if not 0.0 < float(value) <= 1.0:  # NaN fails the comparison too
         raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
     return float(value)
+
+
+def _no_hook(*args):
+    """What a copy of a module hook of the state does: nothing (see _ModuleHook)."""
+    return None
+
+
+def _no_hook_factory():
+    return _no_hook
+
+
+class _ModuleHook:
+    """A hook the state puts on the user's module (and the optimizer step hook). It
+    holds the state weakly, and a deep copy or a pickle of it is a no-op: a copy of the
+    module (an EMA model, ``torch.save(model)``) is not the DDP model, and the state
+    itself cannot be copied (its process group cannot be pickled)."""
+
+    def __init__(self, method):
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args):
+        method = self._method()
+        return None if method is None else method(*args)
+
+    def __deepcopy__(self, memo):
+        return _no_hook
+
+    def __reduce__(self):
+        return (_no_hook_factory, ())
+
+
+def _check_bool(name, value):
+    """``value`` as a bool; anything but True or False (a string "False" from a config
+    file would read as True) raises ValueError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_int(name, value, minimum):
@@ -609,12 +652,10 @@ class OMGSState:
         self._applied_check = None
         self._unapplied_streak = 0
         self._rewind_warned = False
-        self.allow_dense = bool(allow_dense)
+        self.allow_dense = _check_bool("allow_dense", allow_dense)
         self.min_sparse_numel = _check_min_sparse_numel(min_sparse_numel, self.allow_dense)
-        self.refit_online = bool(refit_online)
-        if not isinstance(measured_comm, bool):
-            raise ValueError(f"measured_comm must be True or False, got {measured_comm!r}")
-        self.measured_comm = measured_comm
+        self.refit_online = _check_bool("refit_online", refit_online)
+        self.measured_comm = _check_bool("measured_comm", measured_comm)
         if local_clip_norm is not None and (
                 isinstance(local_clip_norm, bool) or not isinstance(local_clip_norm, (int, float))
                 or not 0 < float(local_clip_norm) < math.inf):
@@ -624,9 +665,7 @@ class OMGSState:
             raise ValueError("local_clip_norm needs the module (its parameter count): use "
                              "omgs_hook.register(ddp_model, ...) or pass module=")
         self.local_clip_norm = None if local_clip_norm is None else float(local_clip_norm)
-        if not isinstance(track_staleness, bool):
-            raise ValueError(f"track_staleness must be True or False, got {track_staleness!r}")
-        self.track_staleness = track_staleness
+        self.track_staleness = _check_bool("track_staleness", track_staleness)
         self._topology_options = (topology_mod.check_topology_option(topology),
                                   topology_mod.check_ranks_per_node_option(ranks_per_node))
         if topology == "hierarchical" and track_staleness:
@@ -646,6 +685,11 @@ class OMGSState:
             raise TypeError(f"profile must be a path, a Profile or None, got {type(profile).__name__}")
         self.profile = None  # resolved at the first step (needs the device and world size)
 
+        group_type = getattr(dist, "ProcessGroup", None)
+        if (process_group is not None and group_type is not None
+                and not isinstance(process_group, group_type)):
+            raise ValueError(f"process_group must be a torch.distributed ProcessGroup or None "
+                             f"(the default group), got {type(process_group).__name__}")
         self.process_group = process_group
         self.module = module
         self._names = {}
@@ -757,9 +801,17 @@ class OMGSState:
             _check_sparse_group_sizes(self._pinned[1], self._shapes)
         if dist.is_available() and dist.is_initialized():
             self._setup_topology()
+        # optimizer steps seen over the module's parameters (_on_optimizer_step)
+        self._optimizer_steps = 0
+        self._optimizers_seen = weakref.WeakKeyDictionary()
+        self._param_ids = frozenset()
         if module is not None:
-            self._hooks.append(module.register_forward_pre_hook(self._on_forward_pre))
-            self._hooks.append(module.register_forward_hook(self._on_forward))
+            self._param_ids = frozenset(id(p) for p in module.parameters() if p.requires_grad)
+            self._hooks.append(module.register_forward_pre_hook(
+                _ModuleHook(self._on_forward_pre)))
+            self._hooks.append(module.register_forward_hook(_ModuleHook(self._on_forward)))
+            self._hooks.append(register_optimizer_step_post_hook(
+                _ModuleHook(self._on_optimizer_step)))
 
     # ------------------------------------------------------------------ set-up helpers
     def _index_module(self, module):
@@ -805,6 +857,26 @@ class OMGSState:
             self._check_applied()
             self.meter.forward_started()
 
+    def _touched_since(self, params, versions, optimizer_steps):
+        """Whether an optimizer step has run over the module's parameters since
+        ``versions`` and ``optimizer_steps`` were read: a parameter's version moved (an
+        in-place update autograd sees), or a ``torch.optim`` optimizer holding some of
+        them stepped (fused optimizers update in place without moving any version)."""
+        return (self._optimizer_steps != optimizer_steps
+                or any(p._version != v for p, v in zip(params, versions)))
+
+    def _on_optimizer_step(self, optimizer, args, kwargs):
+        """Any ``torch.optim`` optimizer's step (a global post-hook): count it when it
+        holds some of this module's parameters."""
+        groups = optimizer.param_groups
+        signature = (len(groups), sum(len(group["params"]) for group in groups))
+        known = self._optimizers_seen.get(optimizer)
+        if known is None or known[0] != signature:
+            holds = any(id(p) in self._param_ids for group in groups for p in group["params"])
+            known = self._optimizers_seen[optimizer] = (signature, holds)
+        if known[1]:
+            self._optimizer_steps += 1
+
     def _check_applied(self):
         """At the first forward with autograd after a step: was that step's gradient
         applied? Not when every parameter it reduced has the same version as at the
@@ -815,14 +887,14 @@ class OMGSState:
         check, self._applied_check = self._applied_check, None
         if check is None:
             return
-        params, versions, loaded = check
+        params, versions, loaded, optimizer_steps = check
         exchange = self._exchange
         if loaded is None and (exchange is None or not exchange.finished
                                or exchange.error is not None):
             return
         if loaded is None and exchange.nonfinite:
             return  # dropped already (an AMP step the scaler skips): no evidence either way
-        if any(p._version != v for p, v in zip(params, versions)) or any(
+        if self._touched_since(params, versions, optimizer_steps) or any(
                 p.grad is not None and bool(p.grad.any()) for p in params):
             self._unapplied_streak = 0
             self.memory.forget_last_commit()
@@ -1135,7 +1207,8 @@ class OMGSState:
         # (collected only with on_unapplied="rewind"; self._hooks: the forward pre-hook
         # that reads it exists, i.e. the module is known)
         if params and self._hooks:
-            self._applied_check = (params, [p._version for p in params], None)
+            self._applied_check = (params, [p._version for p in params], None,
+                                   self._optimizer_steps)
 
     def _residuals_before_last_step(self):
         """For a checkpoint taken after a step whose gradient no optimizer step has
@@ -1145,8 +1218,8 @@ class OMGSState:
         check = self._applied_check
         if check is None or self.on_unapplied != "rewind":
             return None
-        params, versions, loaded = check
-        if any(p._version != v for p, v in zip(params, versions)):
+        params, versions, loaded, optimizer_steps = check
+        if self._touched_since(params, versions, optimizer_steps):
             return None
         # (loaded: saved again before the decision of the checkpoint it was resumed from)
         return loaded if loaded is not None else self.memory.undo_state_dict()
@@ -2391,9 +2464,11 @@ class OMGSState:
         else:
             history = s["plan_history"]
             how = history[-1]["reason"] if history else "model"
+            # (the history's step: a later re-plan that kept the plan moves made_at_step)
+            since = history[-1]["step"] if history else plan.made_at_step
             lines.append(
                 f"omgs_hook after {s['step']} steps: plan '{plan.strategy}' ({how}, in use "
-                f"since step {plan.made_at_step}): {len(plan.groups)} groups, "
+                f"since step {since}): {len(plan.groups)} groups, "
                 f"{sum(plan.dense)} dense, density {self.density:g}, select={self.select}"
                 + (f", topology {self.topology.describe()}" if self.topology is not None else "")
                 + (f", exchange {plan.exchange}" if self._subgroups is not None else ""))
@@ -2433,8 +2508,9 @@ class OMGSState:
         predicted = s["predicted_iteration_s"]
         measured = s["median_iteration_s"] or s["measured_iteration_s"] or s["step_s"]
         if predicted is not None and measured:
+            error = (predicted / measured - 1) * 100
             lines.append(f"  step: predicted {predicted:.4f} s, measured (median) {measured:.4f} s "
-                         f"({(predicted / measured - 1) * 100:+.0f}%)")
+                         f"(the prediction {abs(error):.0f}% {'low' if error < 0 else 'high'})")
         return "\n".join(lines)
 
     def plot_timeline(self, path):
@@ -2634,7 +2710,8 @@ class OMGSState:
             check_residuals(before, self._shapes, where="residuals_before_last_step")
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._applied_check = (params, [p._version for p in params],
-                                   {k: v.detach().clone() for k, v in before.items()})
+                                   {k: v.detach().clone() for k, v in before.items()},
+                                   self._optimizer_steps)
         self.meter.load_state_dict(sd.get("measurements") or {})
         self.overhead.load_state_dict(sd.get("group_overhead") or {})
         self.writeback.load_state_dict(sd.get("writeback") or {})
