@@ -28,9 +28,10 @@ group:
   knapsack-like, docs/cost-model.md); "random dense" ends there on 1 of 5 seeds (40-80
   ms on the others), "slow network, dense" never (90-125 ms, seed 4 about 280-340 ms).
   Since 2026-12-06 the valve shrinks with the units beyond 316 (a tenth at 1000 units,
-  ``planner.dense_valve_budget``): the same plans on all 20 instances, about half the
-  time on the ones that end at the valve (docs/cost-model.md, "A smaller valve for
-  larger dense instances"); figures of this change in docs/cost-model.md.
+  ``planner.dense_valve_budget``): the same plans on all 20 instances, and 18 of 20
+  under 200 ms on a quiet host (8 of 20 before; the two left, dense close to sparse
+  seeds 3 and 4, 228-233 ms; docs/cost-model.md, "A smaller valve for larger dense
+  instances").
   So these benchmarks are marked ``xfail`` (not strict: the instances that
   finish within the budget pass); they still record the time per plan. How far the
   stopped plans are from the optimum: ``scripts/dense_plan_gap.py`` (realistic seeds 0-4,
