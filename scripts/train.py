@@ -502,6 +502,7 @@ def rank_file(path, rank):
 
 def _atomic_save(obj, path):
     # a crash while writing must not destroy the previous, complete checkpoint
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     torch.save(obj, tmp)
     os.replace(tmp, path)
@@ -853,10 +854,27 @@ def _format(value):
     return str(value)
 
 
+def show_hook_log(rank):
+    """The hook logs at INFO (its log line every --hook-log-every steps, trial summaries,
+    re-plans) to the "omgs_hook" logger; Python drops INFO unless something shows it.
+    Rank 0 prints it to stdout, as it prints its own lines."""
+    import logging
+
+    if rank != 0:
+        return
+    hook_logger = logging.getLogger("omgs_hook")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    hook_logger.addHandler(handler)
+    hook_logger.setLevel(logging.INFO)
+    hook_logger.propagate = False  # (not twice where the root logger prints too)
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rank, world_size, device = init_distributed(args)
+    show_hook_log(rank)
     train(args, rank, world_size, device)
     # Free the DDP model (and the hook state that references it) before tearing down the
     # process group: gloo otherwise aborts at interpreter exit in ~10-20% of runs.

@@ -359,6 +359,11 @@ def test_background_planning_job_decides_trial_keep_or_model():
     changed = dict(job, kept=other, model_key=[[[0], [1], [2], [3], [4]], [False] * 5])
     out = _compute_plan(changed, "optimal", "measured")  # a short trial: new plan vs kept
     assert [c.name for c in out["candidates"]] == ["optimal", "kept:single"]
+    # kept again by a later trial: one prefix, not "kept:kept:single" (it grew by one
+    # each time, over a long run: kept:kept:kept:kept:kept:optimal-sparse at step 3000)
+    again = dict(changed, kept=dict(other, name="kept:single"))
+    assert [c.name for c in _compute_plan(again, "optimal", "measured")["candidates"]] == [
+        "optimal", "kept:single"]
     out = _compute_plan(dict(changed, retrial_ok=False), "optimal", "measured")
     assert out["candidates"] is None and out["plan"] is None  # over budget: keep
 

@@ -458,3 +458,28 @@ def test_model_selection_logs_the_hooks_plan_history(tmp_path):
     assert "hook_stats" in summary and summary["hook_stats"]["plan_history"] == \
         summary["plan_history"]
     assert "plan history (" in output and "as seen by train.py" not in output
+
+
+def test_rank_zero_shows_the_hooks_info_log_and_the_others_stay_quiet(train_script, capsys):
+    """--hook-log-every: the hook logs at INFO, which Python drops unless shown."""
+    import logging
+
+    hook_logger = logging.getLogger("omgs_hook")
+    saved = (list(hook_logger.handlers), hook_logger.level, hook_logger.propagate)
+    try:
+        train_script.show_hook_log(1)
+        hook_logger.info("omgs_hook: from rank 1")
+        train_script.show_hook_log(0)
+        hook_logger.info("omgs_hook: step 100, the log line")
+        out = capsys.readouterr().out
+        assert "omgs_hook: step 100, the log line" in out
+        assert "from rank 1" not in out
+    finally:
+        hook_logger.handlers[:], hook_logger.level, hook_logger.propagate = (
+            saved[0], saved[1], saved[2])
+
+
+def test_a_checkpoint_into_a_missing_folder_creates_it(train_script, tmp_path):
+    path = tmp_path / "new" / "deeper" / "ckpt.pt"
+    train_script._atomic_save({"step": 3}, str(path))
+    assert torch.load(path)["step"] == 3 and not (path.parent / "ckpt.pt.tmp").exists()

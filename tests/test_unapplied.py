@@ -309,3 +309,18 @@ def test_the_module_can_be_deep_copied_and_pickled_after_register():
     for result in run_ranks("test_unapplied", "copy_worker", world_size=2, timeout=100):
         assert result["steps"] == 3 and result["rewound"] == 0, result
         assert result["ema_hooks"] == 1, result  # the no-op copy
+
+
+def test_the_optimizer_step_hook_goes_with_a_state_never_closed():
+    """The step hook is torch-wide: a state dropped without close() must not leave it
+    behind (a sweep that registers many models in one process)."""
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    before = len(_global_optimizer_post_hooks)
+    states = [OMGSState(module=_disc()) for _ in range(5)]
+    assert len(_global_optimizer_post_hooks) == before + 5
+    del states
+    gc.collect()
+    assert len(_global_optimizer_post_hooks) == before

@@ -810,8 +810,10 @@ class OMGSState:
             self._hooks.append(module.register_forward_pre_hook(
                 _ModuleHook(self._on_forward_pre)))
             self._hooks.append(module.register_forward_hook(_ModuleHook(self._on_forward)))
-            self._hooks.append(register_optimizer_step_post_hook(
-                _ModuleHook(self._on_optimizer_step)))
+            step_hook = register_optimizer_step_post_hook(_ModuleHook(self._on_optimizer_step))
+            self._hooks.append(step_hook)
+            # torch-wide: removed with the state even where close() is never called
+            weakref.finalize(self, step_hook.remove)
 
     # ------------------------------------------------------------------ set-up helpers
     def _index_module(self, module):

@@ -85,7 +85,9 @@ def compute_plan(job, strategy, select):
     # a kept flat winner is priced on the flat instance
     kept_inst = flat_inst if kept_exchange == "flat" and flat_inst is not None else inst
     dense = tuple(kept["dense"]) if kept_inst.dense is not None else (False,) * len(groups)
-    pool = [plan_selection.Candidate.from_plan(f"kept:{kept['name']}",
+    # (one prefix: the kept plan's name carries it already when an earlier trial kept it)
+    name = kept["name"] if kept["name"].startswith("kept:") else f"kept:{kept['name']}"
+    pool = [plan_selection.Candidate.from_plan(name,
                                                planner_mod.evaluate(kept_inst, groups, dense),
                                                kept_exchange)]
     if model_changed:  # (an unchanged model plan lost to the kept one, or is it)
