@@ -106,7 +106,7 @@ def test_health_staleness_summary_and_timeline_plot(tmp_path):
         assert f"{groups} groups" in text and "group 0:" in text and "sparse" in text
         assert "dense not allowed" in text and "achieved density" in text
         assert "bytes sent per step" in text and "predicted" in text
-        assert re.search(r"\(the prediction \d+% (low|high)\)", text), text
+        assert re.search(r"\(the prediction (\d+% (low|high)|within 0\.5%)\)", text), text
         # since the plan went into use (its plan_history entry), not its last re-plan
         assert f"in use since step {since}" in text, text
     assert png.read_bytes()[:4] == b"\x89PNG"

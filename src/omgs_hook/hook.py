@@ -2512,7 +2512,9 @@ class OMGSState:
         if predicted is not None and measured:
             error = (predicted / measured - 1) * 100
             lines.append(f"  step: predicted {predicted:.4f} s, measured (median) {measured:.4f} s "
-                         f"(the prediction {abs(error):.0f}% {'low' if error < 0 else 'high'})")
+                         + (f"(the prediction {abs(error):.0f}% "
+                            f"{'low' if error < 0 else 'high'})" if abs(error) >= 0.5
+                            else "(the prediction within 0.5%)"))
         return "\n".join(lines)
 
     def plot_timeline(self, path):
