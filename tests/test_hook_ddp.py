@@ -285,6 +285,15 @@ def mismatch_worker(rank, world_size, option="density"):
     return "no error"
 
 
+def poisoned_batch(step, rank, bad_step):
+    """The step's batch; at ``bad_step`` rank 1's holds an inf (its gradient turns
+    non-finite)."""
+    x, y = batch(step, rank)
+    if step == bad_step and rank == 1:
+        x[0, 0] = float("inf")
+    return x, y
+
+
 def nonfinite_worker(rank, world_size, bad_step):
     messages = capture_log()
     torch.manual_seed(0)
@@ -295,9 +304,7 @@ def nonfinite_worker(rank, world_size, bad_step):
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     log = []
     for step in range(bad_step + 2):
-        x, y = batch(step, rank)
-        if step == bad_step and rank == 1:
-            x[0, 0] = float("inf")
+        x, y = poisoned_batch(step, rank, bad_step)
         before_res = flat_residuals(state)
         before_params = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt.zero_grad()
@@ -332,9 +339,7 @@ def nonfinite_raise_worker(rank, world_size, bad_step, options, ddp_options=None
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     log = []
     for step in range(bad_step + 2):
-        x, y = batch(step, rank)
-        if step == bad_step and rank == 1:
-            x[0, 0] = float("inf")
+        x, y = poisoned_batch(step, rank, bad_step)
         before_res = flat_residuals(state)
         opt.zero_grad()
         outcome = None

@@ -164,15 +164,21 @@ def test_the_two_level_exchange_rewinds_its_shard_residuals_the_same_way():
         assert torch.equal(rewind[r]["params"], nosync[r]["params"])
 
 
-def accumulate_worker(rank, world_size):
-    """Two backward passes into the same gradients, one optimizer step: nothing is
-    discarded, so nothing is rewound."""
+def _sparse_run(rank):
+    """A discriminator under DDP with the deterministic sparse hook, plain SGD and the
+    rank's input generator."""
     torch.manual_seed(0)
     disc = _disc()
     ddp = DDP(disc, bucket_cap_mb=0)
     state = omgs_hook.register(ddp, **SPARSE)
     opt = torch.optim.SGD(disc.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(rank + 1)
+    return disc, ddp, state, opt, torch.Generator().manual_seed(rank + 1)
+
+
+def accumulate_worker(rank, world_size):
+    """Two backward passes into the same gradients, one optimizer step: nothing is
+    discarded, so nothing is rewound."""
+    disc, ddp, state, opt, g = _sparse_run(rank)
     kept = []
     for it in range(6):
         opt.zero_grad()  # cleared after an optimizer step: applied, nothing to rewind
@@ -282,12 +288,7 @@ def copy_worker(rank, world_size):
     import copy
     import io
 
-    torch.manual_seed(0)
-    disc = _disc()
-    ddp = DDP(disc, bucket_cap_mb=0)
-    state = omgs_hook.register(ddp, **SPARSE)
-    opt = torch.optim.SGD(disc.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(rank + 1)
+    disc, ddp, state, opt, g = _sparse_run(rank)
     ema = copy.deepcopy(ddp.module)
     buffer = io.BytesIO()
     torch.save(ddp.module, buffer)
