@@ -31,9 +31,7 @@ def replan_budget(inst):
     """The valve's count for a re-plan of ``inst`` with a start: the smaller of
     :data:`REPLAN_SEARCH_BUDGET` and the first plan's own (with a dense cost
     :func:`~omgs_hook.planner.dense_valve_budget`, a tenth at 1000 units)."""
-    first = (planner_mod.SEARCH_BUDGET if inst.dense is None
-             else planner_mod.dense_valve_budget(inst.num_units))
-    return min(REPLAN_SEARCH_BUDGET, first)
+    return min(REPLAN_SEARCH_BUDGET, planner_mod.default_valve_budget(inst))
 
 
 def compute_plan(job, strategy, select):

@@ -116,6 +116,7 @@ __all__ = [
     "SEARCH_BUDGET",
     "DENSE_FULL_BUDGET_UNITS",
     "dense_valve_budget",
+    "default_valve_budget",
     "EXACT_UNITS",
     "relaxed_lower_bound",
 ]
@@ -833,6 +834,12 @@ def dense_valve_budget(num_units: int) -> int:
     return max(min(full, _RACE_START_BUDGET), scaled)
 
 
+def default_valve_budget(inst: Instance) -> int:
+    """The valve's candidate count for ``inst`` when no budget is given:
+    :data:`SEARCH_BUDGET`, with a dense cost :func:`dense_valve_budget`."""
+    return SEARCH_BUDGET if inst.dense is None else dense_valve_budget(inst.num_units)
+
+
 def _valve(inst: Instance, budget=None) -> Optional[int]:
     """The search budget: none (exact) for sparse instances up to EXACT_UNITS units,
     ``budget`` where given, otherwise :data:`SEARCH_BUDGET` (:func:`dense_valve_budget`
@@ -843,9 +850,7 @@ def _valve(inst: Instance, budget=None) -> Optional[int]:
     plan against its alternatives anyway."""
     if inst.dense is None and inst.num_units <= EXACT_UNITS:
         return None
-    if budget is not None:
-        return budget
-    return SEARCH_BUDGET if inst.dense is None else dense_valve_budget(inst.num_units)
+    return default_valve_budget(inst) if budget is None else budget
 
 
 # Windows the polish (_polish) of a budget-stopped plan may price in all: a count, so
@@ -967,10 +972,11 @@ def _polish(inst: Instance, prefix_sums, plan):
 
 
 def _budget_exceeded(inst: Instance, best_plan, budget=None):
+    default = default_valve_budget(inst)
     if budget is not None:
         name = f"its budget of {budget}"
-    elif inst.dense is not None and _valve(inst) != SEARCH_BUDGET:
-        name = (f"the dense valve of {_valve(inst)} (SEARCH_BUDGET={SEARCH_BUDGET} scaled to "
+    elif default != SEARCH_BUDGET:
+        name = (f"the dense valve of {default} (SEARCH_BUDGET={SEARCH_BUDGET} scaled to "
                 f"{inst.num_units} units)")
     else:
         name = f"SEARCH_BUDGET={SEARCH_BUDGET}"
@@ -1048,13 +1054,11 @@ def _comm_end(inst: Instance, prefix_sums, bounds, modes) -> Tuple[float, Tuple[
 def _unit_arrays(inst: Instance):
     """(numel, backward, numel prefix sums, backward prefix sums) as float64 arrays,
     prefix index 0 = the empty prefix. Element counts are exact in float64 below 2**53,
-    which is checked."""
+    which every Instance is checked for when it is built."""
     L = inst.num_units
     numel = np.fromiter((u.numel for u in inst.layers), dtype=np.float64, count=L)
     backward = np.fromiter((u.backward_s for u in inst.layers), dtype=np.float64, count=L)
     numel_prefix = np.concatenate(([0.0], np.cumsum(numel)))
-    if numel_prefix[-1] >= 2.0**53:
-        raise InstanceError("layers", "the total numel must be below 2**53")
     return numel, backward, numel_prefix, np.concatenate(([0.0], np.cumsum(backward)))
 
 
