@@ -107,6 +107,7 @@ def test_gradients_zeroed_in_place_count_as_cleared():
         assert torch.equal(rewind[r]["params"], nosync[r]["params"])
 
 
+@pytest.mark.timeout(150)
 def test_a_fused_optimizers_steps_count_as_applied_and_the_discarded_step_still_rewinds():
     """Fused optimizers (SGD/Adam fused=True) update the parameters without moving their
     versions; their steps are seen through torch.optim's step hook instead. A step no
@@ -146,6 +147,7 @@ def fused_training_worker(rank, world_size, optimizer):
             "warned": sum("rewinding is off" in str(w.message) for w in caught)}
 
 
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_ordinary_training_with_a_fused_optimizer_rewinds_nothing(optimizer):
     for result in run_ranks("test_unapplied", "fused_training_worker", world_size=2,
@@ -306,6 +308,7 @@ def copy_worker(rank, world_size):
             "ema_hooks": len(ema._forward_pre_hooks)}
 
 
+@pytest.mark.timeout(150)
 def test_the_module_can_be_deep_copied_and_pickled_after_register():
     for result in run_ranks("test_unapplied", "copy_worker", world_size=2, timeout=100):
         assert result["steps"] == 3 and result["rewound"] == 0, result
