@@ -167,11 +167,13 @@ def parse_args(argv=None):
              "(stats()['staleness'])")
     add("--refit-online", action="store_true",
         help="omgs hooks: refit the communication model from measured collectives")
-    add("--hook-log-every", type=int, default=100, help="omgs hooks: steps between log lines")
+    add("--hook-log-every", type=int, default=100,
+        help="omgs hooks: steps between log lines (0: none)")
     add("--powersgd-rank", type=int, default=2, help="powersgd: matrix approximation rank")
     add("--bucket-cap-mb", type=float, default=0.1,
         help="DDP bucket size in MiB; small buckets give the planner units to merge "
-             "(0.1: 9 buckets for resnet20, 16 for vgg16, 5 for lstm)")
+             "(0.1: 9 buckets for resnet20, 16 for vgg16, 5 for lstm; 0: one bucket per "
+             "parameter)")
     add("--no-broadcast-buffers", action="store_true",
         help="do not broadcast BatchNorm buffers from rank 0 at every forward")
     # runtime
@@ -215,9 +217,14 @@ def _validate(parser, args):
         if getattr(args, key) is None:
             setattr(args, key, value)
     for name in ("epochs", "steps", "batch-size", "lr", "threads", "seq-len", "replan-every",
-                 "checkpoint-every", "powersgd-rank", "bucket-cap-mb", "hook-log-every",
-                 "lstm-hidden-size", "lstm-embedding-dim"):
+                 "checkpoint-every", "powersgd-rank", "lstm-hidden-size",
+                 "lstm-embedding-dim"):
         positive(name)
+    # 0 is meaningful for these two: one DDP bucket per parameter, no hook log lines
+    for name in ("bucket-cap-mb", "hook-log-every"):
+        value = getattr(args, name.replace("-", "_"))
+        if value < 0 or not math.isfinite(value):
+            parser.error(f"--{name}: must be >= 0, got {value}")
     if args.model != "lstm":
         for name in ("lstm_hidden_size", "lstm_embedding_dim"):
             if getattr(args, name) is not None:
@@ -264,6 +271,12 @@ def _validate(parser, args):
         parser.error(f"--plan: no such file: {args.plan}")
     if args.strategy is not None and args.hook != "omgs":
         parser.error(f"--strategy only applies to --hook omgs (--hook {args.hook} fixes it)")
+    if args.strategy is not None:
+        from omgs_hook.planner import parse_strategy
+        try:
+            args.strategy = parse_strategy(args.strategy)
+        except ValueError as error:
+            parser.error(f"--strategy: {error}")
     if (args.resume or args.resume_if_present) and not args.checkpoint:
         parser.error("--resume/--resume-if-present need --checkpoint PATH")
     if args.checkpoint_every is not None and not args.checkpoint:

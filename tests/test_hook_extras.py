@@ -112,6 +112,43 @@ def test_health_staleness_summary_and_timeline_plot(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def moduleless_plot_worker(rank, world_size, png):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.OMGSState(density=0.05, strategy="single", allow_dense=False,
+                                select="model", warmup_steps=1)
+    ddp.register_comm_hook(state, omgs_hook.omgs_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(6):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+    try:
+        state.plot_timeline(png)
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    planned = state.stats()["plan"] is not None
+    state.close()
+    del ddp
+    gc.collect()
+    return message, planned
+
+
+@pytest.mark.timeout(120)
+def test_a_timeline_without_the_module_says_what_it_needs(tmp_path):
+    """A state built without ``module`` (registered with ddp.register_comm_hook) has no
+    forward timing: after planned steps the plot names what is missing instead of
+    claiming there was no measured step."""
+    for message, planned in run_ranks("test_hook_extras", "moduleless_plot_worker",
+                                      world_size=2, timeout=100, png=str(tmp_path / "t.png")):
+        assert planned
+        assert message is not None and "module=" in message and "no planned" not in message
+    assert not (tmp_path / "t.png").exists()
+
+
 def test_bad_extra_options_name_the_option():
     with pytest.raises(ValueError, match="local_clip_norm"):
         omgs_hook.OMGSState(local_clip_norm=-1.0, module=torch.nn.Linear(2, 2))

@@ -92,6 +92,26 @@ def test_options_are_validated_before_anything_starts(train_script):
             parse(bad)
     args = parse(["--model", "lstm"])
     assert (args.lr, args.weight_decay, args.clip_grad_norm) == (1.0, 0.0, 1.0)
+
+
+def test_zero_buckets_and_log_lines_and_the_strategy_are_checked_as_the_library_does(
+        train_script, capsys):
+    """0 means something for --bucket-cap-mb (a bucket per parameter, as DDP takes it) and
+    --hook-log-every (no log lines, as register's log_every); a strategy the planner does
+    not know is refused before any process starts, with the planner's message."""
+    parse = train_script.parse_args
+    args = parse(["--bucket-cap-mb", "0", "--hook-log-every", "0"])
+    assert (args.bucket_cap_mb, args.hook_log_every) == (0.0, 0)
+    assert train_script.hook_options(args)["log_every"] == 0
+    for bad, named in ((["--bucket-cap-mb", "-1"], "--bucket-cap-mb"),
+                       (["--bucket-cap-mb", "nan"], "--bucket-cap-mb"),
+                       (["--hook-log-every", "-5"], "--hook-log-every"),
+                       (["--strategy", "fastest"], "unknown strategy 'fastest'"),
+                       (["--strategy", "threshold:0"], "must be a positive integer")):
+        with pytest.raises(SystemExit):
+            parse(bad)
+        assert named in capsys.readouterr().err, bad
+    assert parse(["--strategy", " Threshold:2.5e7 "]).strategy == "threshold:25000000"
     args = parse(["--model", "resnet20", "--lr", "0.3", "--clip-grad-norm", "0"])
     assert (args.lr, args.weight_decay, args.clip_grad_norm) == (0.3, 5e-4, None)
 

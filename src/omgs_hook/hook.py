@@ -2527,6 +2527,12 @@ class OMGSState:
         from .timeline_plot import measured_schedule, plot_timelines
 
         exchange = self._last_exchange
+        if self.plan is not None and exchange is not None and self.module is None:
+            # without the module there is no forward hook: no step start to measure from
+            raise RuntimeError(
+                "omgs_hook.plot_timeline: the measured timeline needs the forward's timing; "
+                "register the hook with omgs_hook.register(ddp_model, ...) or build the "
+                "state with module=ddp_model.module")
         if self.plan is None or exchange is None or self.meter.wall_step_start is None:
             raise RuntimeError("omgs_hook.plot_timeline: no planned, measured step yet")
         panels = []
