@@ -160,6 +160,16 @@ def test_bad_extra_options_name_the_option():
     assert state.local_clip_norm is None and state.track_staleness is False
 
 
+def test_the_summary_of_a_dense_run_does_not_wait_for_a_plan():
+    """At density 1 every step is a dense all-reduce: the summary says so rather than
+    reporting a dense warm-up that never ends and an achieved density of 0."""
+    text = omgs_hook.OMGSState(density=1.0, warmup_steps=3).summary()
+    assert "density 1" in text and "nothing is planned" in text
+    assert "warm-up" not in text and "achieved density" not in text
+    sparse = omgs_hook.OMGSState(density=0.01, warmup_steps=3).summary()
+    assert "no plan yet (dense warm-up of 3 steps)" in sparse and "achieved density" in sparse
+
+
 def eval_forward_worker(rank, world_size):
     import time
 

@@ -2460,7 +2460,10 @@ class OMGSState:
         s = self.stats()  # (which finishes a pending re-plan first)
         lines = []
         plan = self.plan
-        if plan is None:
+        if plan is None and self.density >= 1.0:
+            lines.append(f"omgs_hook after {s['step']} steps: density 1, so every step is a "
+                         f"dense all-reduce and nothing is planned")
+        elif plan is None:
             lines.append(f"omgs_hook after {s['step']} steps: no plan yet (dense warm-up of "
                          f"{self.warmup_steps} steps)")
         else:
@@ -2499,8 +2502,9 @@ class OMGSState:
                 lines.append(f"  measured selection (predicted/measured): {tried}; "
                              f"winner {last_trial['winner']}")
         total, last = s["total"], s["last"] or {}
-        lines.append(f"  achieved density after the warm-up: {total['density']:.4g} "
-                     f"(sparse groups alone: {total['sparse_group_density']:.4g})")
+        if plan is not None or self.density < 1.0:  # (at density 1 no step is sparse)
+            lines.append(f"  achieved density after the warm-up: {total['density']:.4g} "
+                         f"(sparse groups alone: {total['sparse_group_density']:.4g})")
         if last:
             ratio = last["dense_bytes"] / last["bytes_sent"] if last["bytes_sent"] else 0.0
             lines.append(f"  bytes sent per step: {last['bytes_sent'] / 1e3:,.1f} kB against "
