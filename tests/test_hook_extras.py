@@ -149,6 +149,45 @@ def test_a_timeline_without_the_module_says_what_it_needs(tmp_path):
     assert not (tmp_path / "t.png").exists()
 
 
+def coarse_warning_worker(rank, world_size, warmup_steps, bucket_cap_mb):
+    import warnings
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    state = omgs_hook.register(ddp, density=0.05, allow_dense=False, select="model",
+                               warmup_steps=warmup_steps, min_sparse_numel=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            loss_fn(ddp(x), y).backward()
+            opt.step()
+    state.close()
+    del ddp
+    gc.collect()
+    return [str(w.message) for w in caught if "bucket_cap_mb" in str(w.message)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+def test_the_coarse_bucket_warning_waits_for_ddps_rebuilt_buckets(warmup_steps):
+    """DDP's first step runs its first guess of the buckets (one bucket for a small model)
+    and rebuilds them after it: a plan made from that step must not tell the user to
+    shrink a bucket_cap_mb that is fine, while a cap that is really too coarse is still
+    named once the rebuilt layout is planned."""
+    fine = run_ranks("test_hook_extras", "coarse_warning_worker", world_size=2, timeout=150,
+                     warmup_steps=warmup_steps, bucket_cap_mb=0)
+    for messages in fine:
+        assert messages == []
+    coarse = run_ranks("test_hook_extras", "coarse_warning_worker", world_size=2, timeout=150,
+                       warmup_steps=warmup_steps, bucket_cap_mb=25)
+    for messages in coarse:
+        assert len(messages) == 1 and "holds 100% of the gradient" in messages[0]
+
+
 def test_bad_extra_options_name_the_option():
     with pytest.raises(ValueError, match="local_clip_norm"):
         omgs_hook.OMGSState(local_clip_norm=-1.0, module=torch.nn.Linear(2, 2))

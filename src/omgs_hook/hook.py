@@ -1941,7 +1941,8 @@ class OMGSState:
                 self.plan = dataclasses.replace(
                     self.plan, predicted_iteration_s=self._model_check["predicted_s"])
                 return
-        self._warn_if_coarse(layout, [u.numel for u in instance.layers])
+        if self.step >= 2:  # (step 0's buckets are DDP's first guess: it rebuilds them)
+            self._warn_if_coarse(layout, [u.numel for u in instance.layers])
         kept = self.plan
         periodic = (self.select == "measured" and reason == "periodic" and kept is not None
                     and kept.layout == layout and self._model_key is not None)
