@@ -50,23 +50,32 @@ class FakeClock:
         return self.now
 
 
-def fake_planning_inputs(state, bucket_s=0.002, forward_s=0.004, tail_s=0.001):
+def fake_planning_inputs(state, bucket_s=0.002, forward_s=0.004, tail_s=0.001, scale=None,
+                         overhead=None):
     """Make the model's predictions deterministic: every re-plan's row of measured numbers
     (``state._planning_row``) gets fixed backward, forward and tail times and reports none
     of the optional measurements (online comm refit, the hook's per-group work, the
     measured collectives, the per-step timelines, the forward's load). The step time stays
     (it comes from the fake clock). With the predictions taken from really measured
     times, a loaded host could price one candidate far off, and a check of how well the
-    refit predicts the trial depended on the host (it failed CI, 2026-12-04)."""
+    refit predicts the trial depended on the host (it failed CI, 2026-12-04). ``scale``:
+    a function of the step number that multiplies the three compute times (a workload
+    that changes). ``overhead``: the hook's per-group work and write-back as known
+    ``(a, b)`` lines (else unknown, which makes the hook re-plan for them after a plan
+    switch without a trial)."""
     real = state._planning_row
 
     def planning_row(layout):
         row, meta = real(layout)
         row = row.copy()
         n = len(layout)
-        row[:n] = bucket_s
-        row[n], row[n + 1] = forward_s, tail_s
+        factor = 1.0 if scale is None else scale(state.step)
+        row[:n] = bucket_s * factor
+        row[n], row[n + 1] = forward_s * factor, tail_s * factor
         row[n + 2:meta["step_at"]] = 0.0  # the optional (a, b, known) triples: unknown
+        if overhead is not None:  # (the refit's triple first, then these two)
+            for i, (a, b) in enumerate(overhead, start=1):
+                row[n + 2 + 3 * i:n + 5 + 3 * i] = (a, b, 1.0)
         row[meta["load_at"]:meta["load_at"] + 2] = 0.0
         row[meta["comm_at"]:meta["width"]] = 0.0  # no measured collectives (two-level too)
         row[meta["width"]:] = -1.0  # no timelines: the rank-mean of the numbers above
@@ -961,3 +970,60 @@ def test_a_failed_plan_job_raises_at_the_switch_step_on_every_rank():
         # of step 1, agreed step 2 later), not inside the step before it
         assert r["bucket0_step"] == results[0]["bucket0_step"] == 2 + PLAN_LAG
         assert r["residual_entries"] > 0
+
+
+def workload_worker(rank, world_size, grow_at, steps):
+    """A fake clock and fixed model inputs whose compute grows 3x from step ``grow_at``
+    (None: never); re-plans every 20 steps with the later-trial budget lifted."""
+    plan_selection.RETRIAL_SHARE = 1.0  # (this rank's process only)
+    model, ddp, state, opt = build(rank, replan_every=20)
+    fake_planning_inputs(state, scale=lambda step: 3.0 if grow_at is not None
+                         and step >= grow_at else 1.0, overhead=((1e-4, 1e-9), (3e-5, 1e-9)))
+    _train_planner_settled(ddp, opt, state, 0, steps, rank)
+    stats = state.stats()
+    state.close()
+    del ddp, state
+    gc.collect()
+    return {"stats": stats}
+
+
+def trials_in(history):
+    """``(first step, candidate names in order)`` of each trial in a plan history (its
+    entries up to its winner)."""
+    trials, names, first = [], [], None
+    for entry in history:
+        if entry["reason"] == "trial":
+            first = entry["step"] if first is None else first
+            if entry["strategy"] not in names:
+                names.append(entry["strategy"])
+        elif entry["reason"] == "trial winner":
+            trials.append((first, names))
+            names, first = [], None
+    return trials
+
+
+@pytest.mark.timeout(240)
+def test_a_workload_that_moves_is_trialled_again_with_the_full_set():
+    """The batch grows (the model's compute inputs 3x) after the first trial: the next
+    periodic re-plan trials the model's whole candidate set again, the kept winner among
+    them, on every rank alike, whether or not the model's own plan changed; with the same
+    inputs throughout a later trial is only the model's new plan against the kept one."""
+    steady = run_ranks("test_hook_selection", "workload_worker", world_size=2, timeout=200,
+                       grow_at=None, steps=150)
+    for r in steady:
+        later = trials_in(r["stats"]["plan_history"])[1:]
+        assert all(len(names) <= 2 for _, names in later), later
+    moved = run_ranks("test_hook_selection", "workload_worker", world_size=2, timeout=200,
+                      grow_at=80, steps=150)
+    stats = [r["stats"] for r in moved]
+    assert stats[0]["plan_history"] == stats[1]["plan_history"]
+    assert stats[0]["selection"]["last_trial"] == stats[1]["selection"]["last_trial"]
+    trials = trials_in(stats[0]["plan_history"])
+    first_winner = [h for h in stats[0]["plan_history"] if h["reason"] == "trial winner"][0]
+    after = [(step, names) for step, names in trials if step > 80]
+    assert after, trials
+    step, names = after[0]
+    # the model's choice first, then the kept winner, then the rest of the model's set
+    assert len(names) > 2 and names[1] == "kept:" + first_winner["strategy"], (names, trials)
+    report = stats[0]["selection"]["last_trial"]
+    assert report["reason"] == "periodic" and [c["name"] for c in report["candidates"]] == names

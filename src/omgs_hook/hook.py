@@ -759,6 +759,9 @@ class OMGSState:
         self._model_key = None
         self._flat_model_key = None  # the flat model's plan when the last trial started
         self._retrial_steps = 0
+        # the step's compute (plan_selection.compute_s) when the last trial started: a
+        # periodic re-plan trials again when it has moved (plan_selection.WORKLOAD_FACTOR)
+        self._trial_workload_s = None
         self._correction = None  # plan_selection.Correction fitted from the last trial
         self._plan_history = []
         self._planner = BackgroundPlanner()
@@ -1968,6 +1971,9 @@ class OMGSState:
             "flat_instance": flat_instance.to_dict() if self._compares_exchanges() else None,
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if periodic else None),
+            # the step's compute now and when the last trial started (uncorrected inputs)
+            "workload_s": plan_selection.compute_s(self._base_instance[1]),
+            "trial_workload_s": self._trial_workload_s if periodic else None,
             # (the flat model's plan when the last trial started, for such a flat one)
             "flat_model_key": ([[list(g) for g in self._flat_model_key[0]],
                                 list(self._flat_model_key[1])]
@@ -2140,6 +2146,7 @@ class OMGSState:
         if candidates:
             self._model_key = result["model_key"]
             self._flat_model_key = result.get("flat_key")
+            self._trial_workload_s = job.get("workload_s")
             self._trial_layout = layout
             lead = plan_selection.FIRST_TRIAL_LEAD_STEPS if job["reason"] == "first" else 0
             self._start_trial_from(plan_selection.Trial(candidates, self.step, reason=job["reason"],
@@ -2623,6 +2630,7 @@ class OMGSState:
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if self._model_key is not None else None),
             "retrial_steps": self._retrial_steps,
+            "trial_workload_s": self._trial_workload_s,
             "correction": self._correction.to_dict() if self._correction is not None else None,
             "plan_history": [dict(e) for e in self._plan_history],
             "plan_job": self._plan_job,
@@ -2745,6 +2753,8 @@ class OMGSState:
         self._model_key = ((tuple(tuple(g) for g in key[0]), tuple(bool(d) for d in key[1]))
                            if key else None)
         self._retrial_steps = int(sd.get("retrial_steps", 0))
+        workload = sd.get("trial_workload_s")  # (None in a state saved before it existed)
+        self._trial_workload_s = float(workload) if workload is not None else None
         self._correction = (plan_selection.Correction.from_dict(sd["correction"])
                             if sd.get("correction") else None)
         self._plan_history = [dict(e) for e in sd.get("plan_history") or []]

@@ -76,7 +76,10 @@ def compute_plan(job, strategy, select):
     flat_changed = flat_plan is not None and (
         previous_flat is None
         or out["flat_key"] != (tuple(map(tuple, previous_flat[0])), tuple(previous_flat[1])))
-    if not model_changed and not flat_changed:
+    # the workload itself moved (a larger batch): every measurement of the last trial is
+    # stale, so the full candidate set is timed again, the kept plan among them
+    moved = plan_selection.workload_moved(job.get("workload_s"), job.get("trial_workload_s"))
+    if not model_changed and not flat_changed and not moved:
         return out  # the model's inputs led to the plans the last trial started from
     groups = tuple(tuple(g) for g in kept["groups"])
     kept_exchange = kept.get("exchange") or exchange
@@ -88,12 +91,18 @@ def compute_plan(job, strategy, select):
     pool = [plan_selection.Candidate.from_plan(name,
                                                planner_mod.evaluate(kept_inst, groups, dense),
                                                kept_exchange)]
-    if model_changed:  # (an unchanged model plan lost to the kept one, or is it)
+    if moved:  # the model's set, its choice first and the kept plan second (kept when
+        # the trial budget trims the set from its end)
+        full = plan_selection.model_candidates(inst, strategy, unit_plan, exchange=exchange,
+                                               flat_inst=flat_inst)
+        pool = plan_selection.dedupe(full[:1] + pool + full[1:],
+                                     limit=plan_selection.MAX_CANDIDATES)
+    elif model_changed:  # (an unchanged model plan lost to the kept one, or is it)
         pool.insert(0, plan_selection.Candidate.from_plan(unit_plan.strategy, unit_plan,
                                                           exchange))
     best = min(c.predicted_s for c in pool)
-    if flat_plan is not None and (flat_plan.predicted_iteration_s
-                                  <= plan_selection.PRUNE_FACTOR * best):
+    if not moved and flat_plan is not None and (flat_plan.predicted_iteration_s
+                                                <= plan_selection.PRUNE_FACTOR * best):
         # last: the first to go when the budget is short; pruned as in a full trial
         pool.append(plan_selection.Candidate.from_plan(
             plan_selection.FLAT_PREFIX + flat_plan.strategy, flat_plan, "flat"))

@@ -84,6 +84,14 @@ MAX_REMEASURE = 3
 #: later trials (a periodic re-plan whose model plan changed) start only while all of
 #: them together stay within this share of the steps run so far
 RETRIAL_SHARE = 0.03
+#: a periodic re-plan runs a later trial of the full candidate set (within the budget
+#: above) when the step's compute - forward, backward and tail, as the model's inputs
+#: measure them - has moved by more than this factor since the last trial started: a
+#: larger batch or another sequence length leaves the trial's measurements stale even
+#: where the model's own plan stays the same (measured: 8 Linear layers of 256, batch
+#: 32 -> 512 at step 120; the trial's winner then ran 46-55 ms per step where the
+#: prediction, refitted to that trial, still said 14-19 ms)
+WORKLOAD_FACTOR = 1.5
 #: candidates the model predicts slower than this factor times its best are not tried
 #: (the model's errors measured so far are within +-40%)
 PRUNE_FACTOR = 1.5
@@ -335,6 +343,20 @@ def _neighbour_times(inst: Instance, groups, splits=True):
 FLAT_STRATEGIES = ("optimal", "single")
 #: the prefix of a flat candidate's name in a two-level run
 FLAT_PREFIX = "flat:"
+
+
+def compute_s(inst: Instance) -> float:
+    """The step's compute as ``inst`` measures it: forward, every unit's backward and the
+    tail (what no plan changes; the trial's measurements hold for this workload)."""
+    return inst.forward_s + sum(u.backward_s for u in inst.layers) + inst.tail_s
+
+
+def workload_moved(now_s, then_s, factor: float = WORKLOAD_FACTOR) -> bool:
+    """Whether the compute ``now_s`` is more than ``factor`` times ``then_s`` or less than
+    its ``1 / factor`` (False while either is unknown or not positive)."""
+    if not now_s or not then_s or now_s <= 0 or then_s <= 0:
+        return False
+    return max(now_s / then_s, then_s / now_s) > factor
 
 
 def model_candidates(inst: Instance, strategy: str, model_plan=None,
