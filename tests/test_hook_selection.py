@@ -558,6 +558,17 @@ def test_a_pinned_plan_gives_bit_identical_training(tmp_path):
             assert stats["plan"]["dense"] == saved["dense"]
             assert [h["reason"] for h in stats["plan_history"]] == ["pinned"]
             assert stats["plan_history"][0]["step"] == 2  # the end of the warm-up
+            # recorded over DDP's buckets (the saved plan has no layout): the bucket
+            # indices the first run recorded, in the plan and in the history
+            assert stats["plan"]["groups"] == saved["groups"]
+            assert stats["plan_history"][0]["groups"] == saved["groups"]
+    # that history entry replays the same plan (bucket indices, as the docs say)
+    entry = runs[0][0]["stats"]["plan_history"][0]
+    replay = run_ranks("test_hook_selection", "pinned_worker", world_size=2, plan=entry, steps=12)
+    for rank in range(2):
+        assert replay[rank]["stats"]["plan"]["group_keys"] == saved["group_keys"]
+        assert all(torch.equal(replay[rank]["params"][n], runs[0][rank]["params"][n])
+                   for n in replay[rank]["params"])
 
 
 @pytest.mark.timeout(180)

@@ -1488,7 +1488,9 @@ class OMGSState:
         """Resolve ``plan=`` for ``layout`` (the end of the warm-up) and keep it for good."""
         kind = self._pinned[0]
         if kind == "keys":
-            plan = self._pinned[1]
+            # DDP's buckets, not the saved plan's (a stats()["plan"] has none: its groups
+            # stood in for them, and the recorded bucket indices were the groups' own)
+            plan = dataclasses.replace(self._pinned[1], layout=tuple(tuple(b) for b in layout))
             _check_plan_keys(plan, {k for bucket in layout for k in bucket})
             _check_sparse_group_sizes(plan, self._shapes)
         else:
@@ -1520,8 +1522,9 @@ class OMGSState:
         made_at = saved.made_at_step if saved is not None else self.step
         exchange = self._pinned_exchange() or self._registered_exchange()
         if self._pinned[0] == "keys":
+            layout = saved.layout if saved is not None else self._pinned[1].layout
             self.plan = dataclasses.replace(self._pinned[1], made_at_step=made_at,
-                                            exchange=exchange)
+                                            exchange=exchange, layout=layout)
             return
         _, units, dense, predicted, _ = self._pinned
         if saved is not None and len(saved.layout) == sum(len(g) for g in units):
