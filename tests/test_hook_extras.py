@@ -188,6 +188,39 @@ def test_the_coarse_bucket_warning_waits_for_ddps_rebuilt_buckets(warmup_steps):
         assert len(messages) == 1 and "holds 100% of the gradient" in messages[0]
 
 
+def closed_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=0.05, strategy="single", allow_dense=False,
+                               select="model", warmup_steps=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+    state.close()
+    steps = state.stats()["total"]["steps"]  # the reports still work
+    x, y = batch(3, rank)
+    try:
+        loss_fn(ddp(x), y).backward()
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    del ddp
+    gc.collect()
+    return steps, message
+
+
+@pytest.mark.timeout(120)
+def test_training_on_after_close_fails_at_once_and_says_why():
+    for steps, message in run_ranks("test_hook_extras", "closed_worker", world_size=2,
+                                    timeout=100):
+        assert steps == 3
+        assert message is not None and "was closed" in message, message
+
+
 def test_bad_extra_options_name_the_option():
     with pytest.raises(ValueError, match="local_clip_norm"):
         omgs_hook.OMGSState(local_clip_norm=-1.0, module=torch.nn.Linear(2, 2))

@@ -62,6 +62,24 @@ def test_bad_options_name_the_problem(options, message):
         OMGSState(**options)
 
 
+def test_numpy_integers_are_integers_as_numpy_floats_are_numbers():
+    """Options read from a NumPy array or a config parsed with NumPy: np.int64 counts
+    where an int does (as np.float64 does for the density), stored as a plain int."""
+    import numpy as np
+
+    state = OMGSState(density=np.float64(0.01), warmup_steps=np.int64(5),
+                      replan_every=np.int32(40), min_sparse_numel=np.int64(0),
+                      ranks_per_node=np.int64(1), log_every=np.uint8(3))
+    assert (state.warmup_steps, state.replan_every, state.log_every) == (5, 40, 3)
+    assert all(type(v) is int for v in (state.warmup_steps, state.replan_every,
+                                        state.log_every))
+    for bad in ({"warmup_steps": np.float64(5.0)}, {"warmup_steps": np.bool_(True)},
+                {"replan_every": np.int64(0)}, {"ranks_per_node": np.int64(0)},
+                {"ranks_per_node": np.bool_(True)}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            OMGSState(**bad)
+
+
 def test_pinned_plan_forms_are_accepted_and_checked_against_the_model(tmp_path):
     from omgs_hook.group_plan import GroupPlan
 

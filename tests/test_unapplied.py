@@ -296,6 +296,13 @@ def copy_worker(rank, world_size):
     torch.save(ddp.module, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
+    # the DDP wrapper itself too, as plain DDP allows (a copy has no comm hook: DDP
+    # rebuilds its reducer without one); register() refuses the original a second time
+    ddp_copy = copy.deepcopy(ddp)
+    buffer = io.BytesIO()
+    torch.save(ddp, buffer)
+    with pytest.raises(RuntimeError, match="already has the OMGS hook"):
+        omgs_hook.register(ddp, density=0.1)
     for _ in range(3):
         opt.zero_grad()
         ddp(torch.randn(6, 8, generator=g)).pow(2).mean().backward()
@@ -305,7 +312,7 @@ def copy_worker(rank, world_size):
     total = state.stats()["total"]
     state.close()
     return {"steps": total["steps"], "rewound": total["rewound_steps"],
-            "ema_hooks": len(ema._forward_pre_hooks)}
+            "ema_hooks": len(ema._forward_pre_hooks), "copied": ddp_copy is not ddp}
 
 
 @pytest.mark.timeout(150)
@@ -313,6 +320,21 @@ def test_the_module_can_be_deep_copied_and_pickled_after_register():
     for result in run_ranks("test_unapplied", "copy_worker", world_size=2, timeout=100):
         assert result["steps"] == 3 and result["rewound"] == 0, result
         assert result["ema_hooks"] == 1, result  # the no-op copy
+        assert result["copied"]
+
+
+def test_a_copy_of_the_state_is_an_inert_placeholder_that_says_so():
+    import copy
+    import pickle
+
+    from omgs_hook.hook import CopiedState
+
+    state = OMGSState(module=_disc())
+    for copied in (copy.deepcopy(state), pickle.loads(pickle.dumps(state))):
+        assert isinstance(copied, CopiedState)
+        with pytest.raises(RuntimeError, match="copy of an OMGSState"):
+            omgs_hook.omgs_hook(copied, None)
+    state.close()
 
 
 def test_the_optimizer_step_hook_goes_with_a_state_never_closed():

@@ -180,6 +180,23 @@ def _no_hook_factory():
     return _no_hook
 
 
+class CopiedState:
+    """What a deep copy or a pickle of an :class:`OMGSState` gives: a placeholder. DDP
+    keeps ``(hook, state)`` in its ``_comm_hooks``, so ``copy.deepcopy(ddp_model)`` and
+    ``torch.save(ddp_model)`` copy the state too - which cannot be copied (its process
+    group, threads and buffers). The copied DDP model rebuilds its reducer without the
+    hook, as with any comm hook; using this placeholder as a hook state raises."""
+
+    def on_bucket(self, bucket):
+        raise RuntimeError(
+            "omgs_hook: this is a copy of an OMGSState (copy.deepcopy or pickle of a DDP "
+            "model with the hook), which holds no hook state; call omgs_hook.register on "
+            "the copied model instead")
+
+    def __repr__(self):
+        return "CopiedState()"
+
+
 class _ModuleHook:
     """A hook the state puts on the user's module (and the optimizer step hook). It
     holds the state weakly, and a deep copy or a pickle of it is a no-op: a copy of the
@@ -209,9 +226,12 @@ def _check_bool(name, value):
 
 
 def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as a Python int (NumPy integers too, as the float options take NumPy
+    floats); a bool, a float or a value under ``minimum`` raises ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 def _check_min_sparse_numel(value, allow_dense):
@@ -588,6 +608,10 @@ class OMGSState:
             all, run that backward under ``ddp_model.no_sync()``.
     """
 
+    def __reduce__(self):
+        # (deepcopy falls back to this too) see CopiedState
+        return (CopiedState, ())
+
     def __init__(
         self,
         process_group=None,
@@ -759,6 +783,7 @@ class OMGSState:
         self._model_key = None
         self._flat_model_key = None  # the flat model's plan when the last trial started
         self._retrial_steps = 0
+        self._closed = False  # close() was called: the hook refuses to run on
         # the step's compute (plan_selection.compute_s) when the last trial started: a
         # periodic re-plan trials again when it has moved (plan_selection.WORKLOAD_FACTOR)
         self._trial_workload_s = None
@@ -1125,6 +1150,14 @@ class OMGSState:
         return self.density >= 1.0 or self.step < self.warmup_steps
 
     def on_bucket(self, bucket):
+        if self._closed:
+            # (DDP cannot take a comm hook off: without this, training on failed some
+            # steps later, at the next re-plan, with "BackgroundPlanner.submit after close")
+            raise RuntimeError(
+                "omgs_hook: this OMGSState was closed (close()), so the DDP model it is "
+                "registered on cannot train on (DDP cannot remove a comm hook): close the "
+                "state once training with it is over, or wrap the module in a new DDP model "
+                "and register the hook there")
         entered = time.perf_counter()
         index = bucket.index()
         exchange = None
@@ -2798,7 +2831,9 @@ class OMGSState:
 
     def close(self):
         """Remove the forward hooks this state put on the module; stop the planner (its
-        threads and its worker process)."""
+        threads and its worker process). ``stats()``, ``summary()`` and ``state_dict()``
+        still work; a backward pass through the DDP model raises RuntimeError."""
+        self._closed = True
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -2812,6 +2847,12 @@ def omgs_hook(state, bucket):
     :func:`register` (which also gives residuals their parameter names).
     """
     return state.on_bucket(bucket)
+
+
+# the DDP models register() put the hook on (weakly: an attribute of the model holding
+# the state made copy.deepcopy(ddp_model) and torch.save(ddp_model) fail on its process
+# group; a copy of a DDP model has no hook anyway, DDP rebuilds its reducer without one)
+_REGISTERED = weakref.WeakKeyDictionary()
 
 
 def register(ddp_model, **options):
@@ -2828,7 +2869,7 @@ def register(ddp_model, **options):
             f"omgs_hook.register needs a torch.nn.parallel.DistributedDataParallel model, "
             f"got {type(ddp_model).__name__}"
         )
-    if getattr(ddp_model, "_omgs_state", None) is not None:
+    if ddp_model in _REGISTERED:
         raise RuntimeError("omgs_hook.register: this DDP model already has the OMGS hook")
     options.setdefault("process_group", ddp_model.process_group)
     state = OMGSState(module=ddp_model.module, **options)
@@ -2837,7 +2878,7 @@ def register(ddp_model, **options):
     except RuntimeError as exc:
         state.close()
         raise RuntimeError(f"omgs_hook.register: DDP refused the hook ({exc})") from exc
-    ddp_model._omgs_state = state
+    _REGISTERED[ddp_model] = True
     return state
 
 

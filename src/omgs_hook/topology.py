@@ -35,6 +35,7 @@ rank resolved the same topology: ranks that disagree would otherwise wait in
 """
 
 import dataclasses
+import numbers
 import os
 from typing import Optional, Sequence, Tuple
 
@@ -98,9 +99,10 @@ def check_topology_option(topology):
 def check_ranks_per_node_option(ranks_per_node):
     if ranks_per_node is None:
         return None
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, numbers.Integral) \
+            or ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}")
-    return ranks_per_node
+    return int(ranks_per_node)  # (a NumPy integer too)
 
 
 def resolve_topology(topology, ranks_per_node, world_size, rank, env=None,
