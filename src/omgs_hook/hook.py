@@ -606,6 +606,16 @@ class OMGSState:
             the optimizer updates parameters without bumping their version (``p.data``),
             stops rewinding and warns. To drop such gradients without sending them at
             all, run that backward under ``ddp_model.no_sync()``.
+        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision run (default
+            None). The hook sees the gradients multiplied by the loss scale, and so
+            does the residual it keeps; when the scaler changes the scale (halved after
+            an overflow, doubled after ``growth_interval`` good steps) a residual kept
+            at the old scale would be applied at twice or half its value. With the
+            scaler given, the hook reads its scale at the first forward of each step
+            (``get_scale()``: on CUDA one small synchronisation per step) and rescales
+            the stored residuals when it moved; ``local_clip_norm`` then applies to the
+            unscaled gradient. ``state_dict()`` records the scale its residuals are at
+            (``"residual_scale"``), so a resumed run converts them too.
     """
 
     def __reduce__(self):
@@ -639,8 +649,17 @@ class OMGSState:
         ranks_per_node=None,
         on_unapplied="rewind",
         min_sparse_numel=None,
+        grad_scaler=None,
     ):
         self.density = _check_fraction("density", density)
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler (with get_scale()) "
+                             f"or None, got {type(grad_scaler).__name__}")
+        self.grad_scaler = grad_scaler
+        # the loss scale the stored residuals are in (None: not known yet - nothing stored
+        # under a scaler); the scale read at this step's first forward, for bucket 0
+        self._residual_scale = None
+        self._forward_scale = None
         try:
             self.strategy = planner_mod.parse_strategy(strategy)
         except (ValueError, TypeError) as exc:
@@ -886,6 +905,10 @@ class OMGSState:
         if torch.is_grad_enabled():
             self._check_applied()
             self.meter.forward_started()
+            if self.grad_scaler is not None and self._forward_scale is None:
+                # read here, not at bucket 0: on CUDA get_scale() synchronises, and here
+                # it waits for the optimizer step only, not for backward's kernels
+                self._forward_scale = float(self.grad_scaler.get_scale())
 
     def _touched_since(self, params, versions, optimizer_steps):
         """Whether an optimizer step has run over the module's parameters since
@@ -1089,6 +1112,7 @@ class OMGSState:
             "warmup_steps": repr(self.warmup_steps),
             "replan_every": repr(self.replan_every),
             "measure_window": repr(self.meter.window),
+            "grad_scaler": repr(self.grad_scaler is not None),
             "allow_dense": repr(self.allow_dense),
             "min_sparse_numel": repr(self.min_sparse_numel),
             "refit_online": repr(self.refit_online),
@@ -1301,6 +1325,8 @@ class OMGSState:
         if self._exchange is not None and not self._exchange.finished:
             # The previous backward raised midway: its staged residuals are dropped.
             self._exchange.fail_all(RuntimeError("backward pass abandoned"))
+        if self.grad_scaler is not None:
+            self._follow_loss_scale()
         if not self._consistency_checked:
             self._check_consistency()
             self._consistency_checked = True
@@ -1394,11 +1420,41 @@ class OMGSState:
 
     def _clip_per_sqrt_element(self):
         """``local_clip_norm / sqrt(N * world_size)``: a group of D elements is clipped to
-        this times ``sqrt(D)`` (see ``local_clip_norm``); None when clipping is off."""
+        this times ``sqrt(D)`` (see ``local_clip_norm``); None when clipping is off. In
+        the units of the gradients the hook sees: times the loss scale of a GradScaler."""
         if self.local_clip_norm is None:
             return None
         total = sum(math.prod(shape) for shape in self._shapes.values())
-        return self.local_clip_norm / math.sqrt(total * self.world_size)
+        scale = self._residual_scale if self._residual_scale is not None else 1.0
+        return self.local_clip_norm * scale / math.sqrt(total * self.world_size)
+
+    def _load_residual_scale(self, saved):
+        """The loaded residuals are at loss scale ``saved`` (None: unscaled). With a
+        ``grad_scaler`` the next bucket 0 rescales them to its scale; without one they
+        are brought back to the gradient's own units now."""
+        self._forward_scale = None
+        saved = float(saved) if saved is not None else None
+        if self.grad_scaler is not None:
+            self._residual_scale = saved if saved is not None else 1.0
+            return
+        if saved is not None and saved != 1.0:
+            self.memory.scale_(1.0 / saved)
+        self._residual_scale = None
+
+    def _follow_loss_scale(self):
+        """At bucket 0 with a ``grad_scaler``: the loss scale of this step (read at its
+        first forward, else now); the stored residuals, kept at the scale of the steps
+        that stored them, are rescaled to it when it moved. Every rank's scaler holds
+        the same scale (GradScaler reduces its inf checks over the ranks' gradients,
+        which DDP made identical), so every rank rescales alike."""
+        scale, self._forward_scale = self._forward_scale, None
+        if scale is None:
+            scale = float(self.grad_scaler.get_scale())
+        if not math.isfinite(scale) or scale <= 0:
+            raise RuntimeError(f"omgs_hook: the GradScaler's scale is {scale}")
+        if self._residual_scale is not None and scale != self._residual_scale:
+            self.memory.scale_(scale / self._residual_scale)
+        self._residual_scale = scale
 
     def _send_ready_groups(self, exchange, arrived_keys):
         """Issue, in plan order, every group whose last parameter is among
@@ -2650,6 +2706,8 @@ class OMGSState:
             "min_sparse_numel": self.min_sparse_numel,
             "residuals": self.memory.state_dict(),
             "residuals_before_last_step": self._residuals_before_last_step(),
+            # the loss scale the residuals are at (grad_scaler; None: unscaled)
+            "residual_scale": self._residual_scale,
             "topology": self._saved_topology(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "measurements": self.meter.state_dict(),
@@ -2736,6 +2794,7 @@ class OMGSState:
         layout_changed = mismatch is not None and mismatch[0] != "rank"
         if not drop_residuals:
             self.memory.load_state_dict(residuals, self._shapes if self.module is not None else None)
+            self._load_residual_scale(sd.get("residual_scale"))
         else:
             norm = math.fsum(float(squared_norm(t)) for t in residuals.values()) ** 0.5
             logger.warning(

@@ -621,6 +621,19 @@ class ResidualMemory:
             self._undo = undo
         return before
 
+    def scale_(self, factor):
+        """Multiply every stored residual by ``factor`` (a GradScaler changed the loss
+        scale: the residuals are kept in the units of the gradients the hook is given).
+        Call it between steps, before the next one stages anything: what the last
+        commit replaced is released (no rewind of it is possible any more)."""
+        factor = float(factor)
+        with self._lock:
+            self._undo = None
+            for tensor in self._residuals.values():
+                tensor.mul_(factor)
+            for store in self._shards.values():
+                store.current.mul_(factor)
+
     def forget_last_commit(self):
         """The last commit is final (its gradient was applied): release what it replaced."""
         with self._lock:
