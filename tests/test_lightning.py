@@ -47,3 +47,23 @@ def test_bad_options_are_rejected_when_the_strategy_is_built():
         OMGSStrategy(omgs_options={"process_group": None})
     with pytest.raises(TypeError, match="omgs_options"):
         OMGSStrategy(omgs_options=["density"])
+
+
+def test_a_mixed_precision_plugins_scaler_reaches_the_hook():
+    """"16-mixed" has a GradScaler: the hook gets it (the residuals must follow the loss
+    scale); options that name one keep theirs, bf16/full precision pass none."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from omgs_hook.lightning import options_with_scaler
+
+    scaler = torch.amp.GradScaler("cpu")
+    mixed = SimpleNamespace(scaler=scaler)
+    assert options_with_scaler({"density": 0.01}, mixed) == {"density": 0.01,
+                                                            "grad_scaler": scaler}
+    own = torch.amp.GradScaler("cpu")
+    assert options_with_scaler({"grad_scaler": own}, mixed)["grad_scaler"] is own
+    assert options_with_scaler({"density": 0.01}, SimpleNamespace(scaler=None)) == {
+        "density": 0.01}
+    assert options_with_scaler({"density": 0.01}, None) == {"density": 0.01}

@@ -19,6 +19,9 @@ calls :func:`omgs_hook.register` on the wrapped model instead, on every device, 
 and forward timing work; its options are validated when the strategy is built, before
 any process is started.
 
+With ``precision="16-mixed"`` the plugin's ``GradScaler`` is passed to the hook
+(``grad_scaler``), so the residuals follow the loss scale.
+
 Residuals are per rank: Lightning's checkpoints (written by rank 0) do not carry them.
 Save ``strategy.omgs_state.state_dict()`` on every rank if a run must resume bit-exactly.
 
@@ -66,4 +69,15 @@ class OMGSStrategy(DDPStrategy):
         # Lightning's own version registers hooks on CUDA only.
         if self.omgs_state is not None:
             self.omgs_state.close()
-        self.omgs_state = register(self.model, **self.omgs_options)
+        self.omgs_state = register(self.model, **options_with_scaler(
+            self.omgs_options, getattr(self, "precision_plugin", None)))
+
+
+def options_with_scaler(options, precision_plugin):
+    """``options`` with ``grad_scaler`` set to the precision plugin's GradScaler (Lightning's
+    ``"16-mixed"``), unless the options name one: the hook must follow the loss scale
+    (``OMGSState``'s ``grad_scaler``). bf16 and full precision have no scaler."""
+    scaler = getattr(precision_plugin, "scaler", None)
+    if scaler is None or "grad_scaler" in options:
+        return dict(options)
+    return dict(options, grad_scaler=scaler)
