@@ -556,6 +556,23 @@ def update_doc(path, report, markers=(DOC_BEGIN, DOC_END)):
 # ------------------------------------------------------------------------------ CLI
 
 
+def check_output_options(args):
+    """Refuse, before simulating, output paths the writes at the end would fail on (a
+    directory, a missing folder), and an --update-doc that is not a file to read."""
+    for option, path in (("--json", args.json), ("--markdown", args.markdown),
+                         ("--plot", args.plot)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise SimulationError(f"{option} {path}: is a directory; give a file path")
+        folder = path.parent
+        if not folder.is_dir():
+            raise SimulationError(f"{option} {path}: the folder {folder} does not exist")
+    if args.update_doc is not None and not args.update_doc.is_file():
+        raise SimulationError(f"--update-doc {args.update_doc}: not a file "
+                              f"(it must exist, with the markers)")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODEL_NAMES),
@@ -585,6 +602,11 @@ def main(argv=None):
     parser.add_argument("--intra-alpha", type=float, default=INTRA_ALPHA_S,
                         help="intra-node collective latency in s for --topology (default 10e-6)")
     args = parser.parse_args(argv)
+    try:
+        check_output_options(args)
+    except SimulationError as exc:
+        print(f"simulate: error: {exc}", file=sys.stderr)
+        return 2
     if args.topology:
         return _main_topology(args)
     try:

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +149,14 @@ BAD_INPUTS = [
      "dense: prices a group of all"),
     (dict(INSTANCE, layers=[{"numel": 10, "backward_s": 1e308}] * 2),
      "layers: the backward times' sum overflows"),
+    # integers no float holds, written out: were OverflowError / ValueError tracebacks
+    (dict(INSTANCE, comm={"alpha_s": 10**400, "beta_s_per_byte": 0}),
+     "comm.alpha_s: must be a finite number, got an integer of 1329 bits"),
+    (dict(INSTANCE, world_size=10**400), "world_size: must be a finite number"),
+    ([INSTANCE, dict(INSTANCE, layers=[{"numel": 10, "backward_s": 10**400}])],
+     "[1].layers[0].backward_s: must be a finite number"),
+    (json.dumps(INSTANCE).replace('"world_size": 16', '"world_size": 1' + "0" * 5000),
+     "invalid JSON: Exceeds the limit (4300 digits)"),
 ]
 
 
@@ -285,3 +294,46 @@ def test_documented_two_level_example_plans(tmp_path, capsys):
     status, out, err = run_main(capsys, [write(tmp_path, example)])
     assert status == 0 and err == ""
     assert "inter_node_bytes" in json.loads(out)
+
+
+def test_a_reader_that_stops_early_ends_it_quietly(tmp_path):
+    """`omgs-plan many.json | head -c 10`: no BrokenPipeError traceback, as Unix tools."""
+    path = write(tmp_path, INSTANCE)
+    # --indent 100000: about a megabyte of output, far more than a pipe buffers
+    child = subprocess.Popen(
+        [sys.executable, "-m", "omgs_hook.cli_plan", path, "--indent", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+    )
+    try:
+        assert child.stdout.read(10).startswith(b"{")
+        child.stdout.close()  # as head does once it has its bytes
+        err = child.stderr.read().decode()
+        status = child.wait(timeout=60)
+    finally:
+        child.kill()
+        child.stderr.close()
+    assert err == "" and status == cli_plan.EXIT_BROKEN_PIPE == 1
+
+
+# ------------------------------------------------- scripts/simulate.py, the offline sibling
+
+
+@pytest.mark.parametrize("option, target, message", [
+    ("--json", "adir", "--json .*adir: is a directory; give a file path"),
+    ("--markdown", "adir", "--markdown .*adir: is a directory"),
+    ("--json", "nodir/out.json", "--json .*out.json: the folder .*nodir does not exist"),
+    ("--update-doc", "missing.md", "--update-doc .*missing.md: not a file"),
+])
+@pytest.mark.parametrize("topology", [[], ["--topology", "2x4"]])
+def test_simulate_refuses_unwritable_outputs_before_simulating(tmp_path, capsys, option, target,
+                                                                message, topology):
+    from script_loader import load_script
+
+    simulate = load_script("simulate")
+    (tmp_path / "adir").mkdir()
+    argv = ["--models", "vgg16", "--world-sizes", "4", option, str(tmp_path / target)]
+    assert simulate.main(argv + topology) == 2  # was an IsADirectoryError traceback
+    captured = capsys.readouterr()
+    assert captured.out == ""  # up front: no report printed before the failure
+    assert re.match(f"simulate: error: {message}", captured.err), captured.err
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err

@@ -322,6 +322,13 @@ def test_profile_from_another_world_size_is_used_with_a_warning(tmp_path):
                                     world_size=1, profile_path=str(path))
     assert any("world_size=4" in m and "world_size=1" in m for m in messages), messages
     assert comm["alpha_s"] == 2.5e-4 and comm["beta_s_per_byte"] == 1.5e-9
+    # the profile's top-k density (here 0.001) against the run's (0.25): said too
+    profile["settings"] = {"topk_density": 0.001}
+    path.write_text(json.dumps(profile))
+    ((messages, _),) = run_ranks("test_hook_validation", "profile_warning_worker",
+                                 world_size=1, profile_path=str(path))
+    assert any("density 0.001" in m and "omgs-profile --density 0.25" in m
+               for m in messages), messages
 
 
 def test_resuming_with_a_pinned_plan_uses_the_pinned_plan():

@@ -332,3 +332,45 @@ def test_bad_inter_dense_is_named(tmp_path, changes, field, message):
         profile_from_dict(json.loads(json.dumps(document, allow_nan=True)), "p.json")
     assert info.value.field == field
     assert message in str(info.value) and field in str(info.value)
+
+
+BIG = "1" + "0" * 400  # 10**400: an integer no float holds
+
+
+@pytest.mark.parametrize("keys, field", [
+    (("comm", "alpha_s"), "comm.alpha_s"),
+    (("dense", "beta_s_per_byte"), "dense.beta_s_per_byte"),
+    (("topk", "c1"), "topk.c1"),
+    (("topk_all", "torch", "c0"), "topk_all.torch.c0"),
+    (("settings", "topk_density"), "settings.topk_density"),
+])
+def test_a_huge_json_integer_is_a_profile_error(tmp_path, keys, field):
+    text = json.dumps(_mutate(keys, "@BIG@")).replace('"@BIG@"', BIG)
+    path = _write(tmp_path, text)
+    with pytest.raises(ProfileError) as info:  # was OverflowError
+        load_profile(path)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{path}: {field}: ")
+    assert "an integer of 1329 bits" in str(info.value)  # not 401 digits
+
+
+def test_an_integer_beyond_pythons_digit_limit_is_a_profile_error(tmp_path):
+    text = json.dumps(VALID).replace("0.001", "1" + "0" * 5000)
+    with pytest.raises(ProfileError, match="not a usable profile: .*4300 digits"):
+        load_profile(_write(tmp_path, text))
+
+
+def test_mismatches_compare_the_top_k_density():
+    profile = profile_from_dict(VALID)  # timed at density 0.001
+    problems = profile_mismatches(profile, 2, "gloo", "cpu", density=0.01)
+    assert len(problems) == 1
+    assert "density 0.001" in problems[0] and "density 0.01 " in problems[0]
+    assert problems[0].endswith("run omgs-profile --density 0.01")
+    assert len(profile_mismatches(profile, 2, "gloo", "cpu", density=0.0004)) == 1
+    # within a factor of 2 either way, unknown, or dense (no top-k at all): nothing to say
+    for density in (0.002, 0.0005, 0.001, None, 1.0):
+        assert profile_mismatches(profile, 2, "gloo", "cpu", density=density) == []
+    unknown = profile_from_dict({k: v for k, v in VALID.items() if k != "settings"})
+    assert profile_mismatches(unknown, 2, "gloo", "cpu", density=0.01) == []
+    # with the other differences, after them
+    assert "density" in profile_mismatches(profile, 4, "nccl", "cuda", density=0.1)[3]

@@ -891,3 +891,50 @@ def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
     with pytest.raises(OSError):
         profile_run.write_json_atomically(str(target), {"a": 1})
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+
+
+@pytest.mark.parametrize("argv, option, message", [
+    # the plot over the profile: an image name for --out, or the very same file
+    (["--out", "r.png"], "--out", r"r\.png is an image name.*--out r\.json, which plots to "
+                                  r"r\.png"),
+    (["--out", "r.svg", "--plot", "x.png"], "--out", r"is an image name.*--out r\.json$"),
+    (["--out", "b.json", "--plot", "b.json"], "--plot", "b.json is the --out file"),
+    (["--out", "b.json", "--plot", "sub/../b.json"], "--plot", "is the --out file"),
+    (["--out", "p.json"], "--plot", "p.png is the --out file"),  # p.png links to p.json
+    # formats matplotlib refuses (or renames: noext -> noext.png) only after the sweep
+    (["--out", "r.json", "--plot", "r.xyz"], "--plot", r"must end in \.png, \.svg or \.pdf"),
+    (["--out", "r.json", "--plot", "noext"], "--plot", r"must end in \.png, \.svg or \.pdf"),
+    # the default plot path is a folder
+    (["--out", "pp.json"], "--plot", r"pp\.png is a directory.*--plot PATH or --no-plot"),
+    # paths that name no file
+    (["--out", ""], "--out", "empty path"),
+    (["--out", "newdir/"], "--out", "newdir/ names a directory"),
+    (["--out", "r.json", "--plot", ""], "--plot", "empty path"),
+    (["--out", "r.json", "--plot", "plots/"], "--plot", "plots/ names a directory"),
+])
+def test_output_paths_that_would_fail_after_the_sweep_are_refused_up_front(
+        tmp_path, monkeypatch, argv, option, message):
+    """Each of these passed the old up-front check and then, after the whole sweep, wrote
+    the plot over the profile or ended in a traceback."""
+    monkeypatch.setattr(profile_run, "measure", _never_measure)
+    monkeypatch.setattr(profile_run.dist, "init_process_group", _never_measure)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pp.png").mkdir()
+    (tmp_path / "p.png").symlink_to("p.json")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(SystemExit) as caught:
+        profile_run.main(argv + ["--quick"])
+    text = str(caught.value)
+    assert text.startswith(f"omgs-profile: {option}: "), text
+    assert re.search(message, text), text
+    assert "\n" not in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing created
+
+
+def test_output_paths_resolve_to_the_files_written():
+    resolve = profile_run.resolve_output_paths
+    assert resolve("runs/r.json", None, False) == ("runs/r.json", "runs/r.png")
+    assert resolve("r", None, False) == ("r", "r.png")
+    assert resolve("r.json", "t.SVG", False) == ("r.json", "t.SVG")
+    assert resolve("r.json", "t.pdf", False) == ("r.json", "t.pdf")
+    assert resolve("r.json", "anything", True) == ("r.json", None)  # --no-plot: no plot

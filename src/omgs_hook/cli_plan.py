@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -53,6 +54,8 @@ from omgs_hook.planner import (
 
 PROG = "omgs-plan"
 EXIT_USAGE = 2
+#: standard output closed by its reader: Python's own status for SIGPIPE's case
+EXIT_BROKEN_PIPE = 1
 
 
 class _UsageError(Exception):
@@ -118,6 +121,32 @@ def _parse_json(text: str, source: str):
         ) from None
     except RecursionError:
         raise _UsageError(f"{source}: invalid JSON: nested too deeply") from None
+    except ValueError as error:  # an integer of more digits than Python converts (4300)
+        raise _UsageError(f"{source}: invalid JSON: {error}") from None
+
+
+def _huge_integer(data, where=""):
+    """``(field, value)`` of the first integer no float holds (``10**400`` written out,
+    an OverflowError deep in the planner), the field as ``layers[1].backward_s``; or None."""
+    if isinstance(data, bool):
+        return None
+    if isinstance(data, int):
+        try:
+            float(data)
+        except OverflowError:
+            return where or "input", data
+        return None
+    if isinstance(data, dict):
+        items = ((f"{where}.{key}" if where else str(key), value) for key, value in data.items())
+    elif isinstance(data, list):
+        items = ((f"{where}[{i}]", value) for i, value in enumerate(data))
+    else:
+        return None
+    for field, value in items:
+        found = _huge_integer(value, field)
+        if found is not None:
+            return found
+    return None
 
 
 def _plan_one(data, strategy: str, where: str) -> dict:
@@ -127,6 +156,11 @@ def _plan_one(data, strategy: str, where: str) -> dict:
         raise _UsageError(
             f"{where.rstrip('.') or 'input'}: an instance must be a JSON object, got {kind}"
         )
+    huge = _huge_integer(data)
+    if huge is not None:
+        field, value = huge
+        raise _UsageError(f"{where}{field}: must be a finite number, got an integer of "
+                          f"{value.bit_length()} bits")
     try:
         inst = Instance.from_dict(data)
     except InstanceError as error:
@@ -189,9 +223,26 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     for warning in caught:
         print(f"{PROG}: warning: {warning.message}", file=sys.stderr)
-    json.dump(result, sys.stdout, indent=args.indent if args.indent > 0 else None)
-    sys.stdout.write("\n")
+    try:
+        json.dump(result, sys.stdout, indent=args.indent if args.indent > 0 else None)
+        sys.stdout.write("\n")
+        sys.stdout.flush()  # here, not at exit, where a closed pipe is a printed traceback
+    except BrokenPipeError:
+        # the reader stopped early (omgs-plan many.json | head): end quietly, as Unix tools do
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     return 0
+
+
+def _discard_stdout():
+    """Point standard output at /dev/null, so that the interpreter's final flush of what
+    is still buffered does not hit the closed pipe again (Python's documented recipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (a test's stream)
+        pass
 
 
 if __name__ == "__main__":

@@ -1076,7 +1076,8 @@ class OMGSState:
         else:
             self.profile = self._profile_arg
             problems = profile_mismatches(self.profile, world,
-                                          dist.get_backend(self.process_group), device.type)
+                                          dist.get_backend(self.process_group), device.type,
+                                          density=self.density)
             for problem in problems + profile_bandwidth_gaps(self.profile):
                 warnings.warn(f"omgs_hook: {problem}", RuntimeWarning, stacklevel=2)
         self.memory.move_to(device)

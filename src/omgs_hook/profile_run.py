@@ -242,7 +242,8 @@ def build_parser():
     parser.add_argument("--quick", action="store_true",
                         help="tiny sweep (3 sizes, 3 reps) for tests and smoke checks")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
-    parser.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    parser.add_argument("--plot", default=None,
+                        help="plot path, .png, .svg or .pdf (default: --out with .png)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--timeout", type=_positive_int, default=300,
                         help="process-group timeout in seconds (default 300)")
@@ -970,13 +971,64 @@ def write_json_atomically(path, document):
         raise
 
 
-def check_output_path(path, option):
+#: the suffixes --plot may have: matplotlib picks the format by the suffix, and these are
+#: the formats the plot is documented in (another one failed only after the sweep)
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+#: an --out with one of these is a plot's name given to the profile's option
+IMAGE_SUFFIXES = PLOT_SUFFIXES + (".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp",
+                                  ".eps", ".ps", ".svgz")
+
+
+def _check_file_name(path, option):
+    """Refuse a path that names no file: empty, or a folder ('dir/', '.', '..')."""
+    if not path:
+        raise SystemExit(f"omgs-profile: {option}: empty path; give a file path")
+    if path.endswith(("/", os.sep)) or os.path.basename(path) in (".", ".."):
+        raise SystemExit(f"omgs-profile: {option}: {path} names a directory; give a file path")
+
+
+def _same_file(a, b):
+    return os.path.normcase(os.path.realpath(a)) == os.path.normcase(os.path.realpath(b))
+
+
+def resolve_output_paths(out, plot, no_plot):
+    """``(profile path, plot path or None)`` of ``--out``, ``--plot`` and ``--no-plot``,
+    checked without touching the disk (every rank runs it, before anything is measured;
+    :func:`check_output_path` then checks the file system on rank 0). The rule: ``--out``
+    is the profile, JSON, so an image suffix there is refused; the plot (``--plot``, by
+    default ``--out`` with ``.png``) must end in one of :data:`PLOT_SUFFIXES` - no suffix
+    either, as matplotlib would add one - and be another file than ``--out``. Raises
+    SystemExit naming the option."""
+    _check_file_name(out, "--out")
+    stem, suffix = os.path.splitext(out)
+    if suffix.lower() in IMAGE_SUFFIXES:
+        plot_text = "" if plot is not None or no_plot else f", which plots to {stem}.png"
+        raise SystemExit(f"omgs-profile: --out: {out} is an image name, but --out is the "
+                         f"profile (JSON); give e.g. --out {stem}.json{plot_text}")
+    if no_plot:
+        return out, None
+    if plot is None:
+        plot = stem + ".png"
+    else:
+        _check_file_name(plot, "--plot")
+    if _same_file(plot, out):
+        raise SystemExit(f"omgs-profile: --plot: {plot} is the --out file; the plot would "
+                         f"overwrite the profile")
+    if os.path.splitext(plot)[1].lower() not in PLOT_SUFFIXES:
+        raise SystemExit(f"omgs-profile: --plot: {plot} must end in "
+                         f"{', '.join(PLOT_SUFFIXES[:-1])} or {PLOT_SUFFIXES[-1]} "
+                         f"(the suffix picks the format)")
+    return out, plot
+
+
+def check_output_path(path, option, hint=""):
     """Fail now, before any measuring, where ``path`` cannot be written later: a
     directory, or a folder that cannot be created or written to. Creates the folder
     (as the write would) and a probe file in it, removed at once. Raises SystemExit
-    naming ``option``."""
+    naming ``option``; ``hint`` ends the message where the path was not given as such."""
     if os.path.isdir(path):
-        raise SystemExit(f"omgs-profile: {option}: {path} is a directory; give a file path")
+        raise SystemExit(f"omgs-profile: {option}: {path} is a directory; give a file "
+                         f"path{hint}")
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, exist_ok=True)
@@ -984,7 +1036,7 @@ def check_output_path(path, option):
             pass
     except OSError as exc:
         raise SystemExit(f"omgs-profile: {option}: cannot write {path} ({exc.strerror or exc}); "
-                         "nothing was measured") from exc
+                         f"nothing was measured{hint}") from exc
 
 
 def plot_profile(document, path):
@@ -1125,10 +1177,14 @@ class _NoProgress:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     settings = resolve_settings(args)
+    out, plot_path = resolve_output_paths(args.out, args.plot, args.no_plot)
     if os.environ.get("RANK", "0") == "0":  # the rank that writes them, before measuring
-        check_output_path(args.out, "--out")
-        if args.plot and not args.no_plot:
-            check_output_path(args.plot, "--plot")
+        check_output_path(out, "--out")
+        if plot_path is not None:
+            # (a default path is checked too: a folder of that name failed after the sweep)
+            check_output_path(plot_path, "--plot", "" if args.plot is not None else
+                              f" ({plot_path} is the default, --out with .png: pass --plot "
+                              f"PATH or --no-plot)")
     backend, device = choose_backend_and_device(args.backend, args.device)
 
     from omgs_hook.topk import BACKENDS, available_backends, get_selector
@@ -1217,19 +1273,18 @@ def main(argv=None):
                                       backend=backend, device=device, settings=run_settings,
                                       sweep=sweep, topo=topo)
             # never write a file load_profile rejects
-            profile = profile_from_dict(document, args.out)
-            write_json_atomically(args.out, document)
-            plot_path = None
-            if not args.no_plot:
+            profile = profile_from_dict(document, out)
+            write_json_atomically(out, document)
+            if plot_path is not None:
                 try:
                     import matplotlib  # noqa: F401  (optional: omgs-hook[scripts])
                 except ImportError:
                     print("omgs-profile: matplotlib is not installed, no plot written "
                           "(install omgs-hook[scripts] or pass --no-plot)", file=sys.stderr)
+                    plot_path = None
                 else:
-                    plot_path = args.plot or os.path.splitext(args.out)[0] + ".png"
                     plot_profile(document, plot_path)
-            print(_summary(document, args.out, plot_path, elapsed,
+            print(_summary(document, out, plot_path, elapsed,
                            gaps=profile_bandwidth_gaps(profile)))
         # rank 0 writes while the others wait, so the launcher sees every rank finish together
         Timer(device).barrier()
