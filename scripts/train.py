@@ -34,8 +34,10 @@ line per entry of the hook's plan history, written at the step it appeared; a fi
 ``summary`` line with the whole ``plan_history``; spelled ``--log-file`` under torchrun,
 whose parser rejects ``--log``), and a final ``summary:`` line on stdout followed by the
 plan history. ``--checkpoint PATH`` writes the model, optimiser and step
-to PATH (rank 0) and every rank's hook state and RNG state to ``PATH.rank{r}``;
-``--resume`` continues from them.
+to PATH (rank 0) and every rank's hook state and RNG state to ``PATH.rank{r}``, replacing
+the previous set only once every rank's new files are written; ``--resume`` continues
+from them, and cuts the ``--log-file`` back to the checkpoint's step first (the records
+an interrupted run wrote after it, and its summary line, would otherwise appear twice).
 """
 
 import argparse
@@ -62,9 +64,13 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from omgs_hook.examples import data as example_data  # noqa: E402
 from omgs_hook.examples.models import MODEL_NAMES, build_model, count_parameters  # noqa: E402
+from omgs_hook.topk import BACKENDS as TOPK_BACKENDS  # noqa: E402
 
 HOOKS = ("allreduce", "powersgd", "topk", "lags", "omgs")
 SELECT_CHOICES = ("measured", "model")
+TOPK_CHOICES = ("auto",) + tuple(TOPK_BACKENDS)
+# what torch.distributed.init_process_group accepts by name (anything else: AssertionError)
+PG_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 # planner strategy behind each omgs_hook-based --hook choice
 HOOK_STRATEGIES = {"topk": "single", "lags": "layerwise", "omgs": "optimal"}
 CHECKPOINT_FORMAT = "omgs-hook-train-checkpoint"
@@ -84,10 +90,20 @@ MODEL_DEFAULTS = {
 DDP_SETUP_STEPS = 2
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says what the default is
+    (options left to the library show None, which is not what the run uses)."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+        formatter_class=_HelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     add("--model", choices=MODEL_NAMES, default="resnet20")
     add("--hook", choices=HOOKS, default="omgs", help="gradient communication (see above)")
@@ -140,12 +156,14 @@ def parse_args(argv=None):
     add("--ranks-per-node", type=int, default=None,
         help="omgs hooks: ranks per node (default: torchrun's LOCAL_WORLD_SIZE)")
     add("--profile", default=None, help="omgs hooks: cost-model profile JSON (omgs-profile)")
-    add("--topk-backend", default="auto", help="omgs hooks: top-k backend (torch, sampled, cupy)")
+    add("--topk-backend", choices=TOPK_CHOICES, default="auto",
+        help="omgs hooks: top-k backend")
     add("--allow-dense", action=argparse.BooleanOptionalAction, default=None,
         help="omgs hooks: let the planner send a group as a dense all-reduce where that is "
              "cheaper (allow_dense); --no-allow-dense sparsifies every group, as the paper "
              "does (default: the library's default)")
-    add("--no-dense-groups", dest="allow_dense", action="store_false",
+    # SUPPRESS: the default is --allow-dense's (None: the library's), not store_false's True
+    add("--no-dense-groups", dest="allow_dense", action="store_false", default=argparse.SUPPRESS,
         help="omgs hooks: the same as --no-allow-dense (older spelling)")
     add("--min-sparse-numel", type=int, default=None,
         help="omgs hooks: with dense groups allowed, send sparse groups of fewer elements "
@@ -178,7 +196,8 @@ def parse_args(argv=None):
         help="do not broadcast BatchNorm buffers from rank 0 at every forward")
     # runtime
     add("--device", choices=("cpu", "cuda"), default="cpu")
-    add("--backend", default=None, help="process-group backend (default: gloo on cpu, nccl on cuda)")
+    add("--backend", choices=PG_BACKENDS, default=None,
+        help="process-group backend (default: gloo on cpu, nccl on cuda)")
     add("--threads", type=int, default=1, help="torch intra-op threads per rank")
     add("--seed", type=int, default=0)
     # "--log" alone works only without torchrun: torchrun's own argument parser rejects it
@@ -262,13 +281,33 @@ def _validate(parser, args):
     if args.hook == "powersgd" and args.warmup_steps < 2:
         parser.error("--warmup-steps: powersgd needs at least 2 dense steps (DDP rebuilds "
                      "its buckets after the first iteration)")
-    for option in ("select", "plan"):
+    for option in ("select", "plan", "profile"):
         if getattr(args, option) is None:
             continue
         if args.hook not in HOOK_STRATEGIES:
             parser.error(f"--{option} only applies to the omgs hooks (topk, lags, omgs)")
+    if args.topk_backend != "auto" and args.hook not in HOOK_STRATEGIES:
+        parser.error("--topk-backend only applies to the omgs hooks (topk, lags, omgs)")
+    if args.topk_backend == "cupy" and args.device != "cuda":
+        parser.error("--topk-backend cupy needs --device cuda")
+    if args.min_sparse_numel is not None and args.min_sparse_numel < 0:
+        parser.error(f"--min-sparse-numel: must be >= 0, got {args.min_sparse_numel}")
+    if args.min_sparse_numel and args.allow_dense is False:
+        # (the library refuses it too, but only once the process group is up)
+        parser.error("--min-sparse-numel sends small groups dense, which --no-allow-dense "
+                     "rules out; leave it out or pass 0")
     if args.plan is not None and not os.path.isfile(args.plan):
         parser.error(f"--plan: no such file: {args.plan}")
+    if args.plan is not None:
+        problem = _plan_problem(args.plan)
+        if problem:
+            parser.error(f"--plan {args.plan}: {problem}")
+    if args.profile is not None:
+        from omgs_hook.profile_file import ProfileError, load_profile
+        try:
+            load_profile(args.profile)  # what register() does, but before any set-up
+        except ProfileError as error:
+            parser.error(f"--profile: {error}")
     if args.strategy is not None and args.hook != "omgs":
         parser.error(f"--strategy only applies to --hook omgs (--hook {args.hook} fixes it)")
     if args.strategy is not None:
@@ -281,8 +320,56 @@ def _validate(parser, args):
         parser.error("--resume/--resume-if-present need --checkpoint PATH")
     if args.checkpoint_every is not None and not args.checkpoint:
         parser.error("--checkpoint-every needs --checkpoint PATH")
+    if args.resume and not os.path.isfile(args.checkpoint):
+        parser.error(f"--resume: no checkpoint file {args.checkpoint}")
+    # found now, not at the first write (a whole epoch later for a checkpoint)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    for option, path, paths in (
+            ("log-file", args.log, [args.log]),
+            ("checkpoint", args.checkpoint,
+             [args.checkpoint] + [rank_file(args.checkpoint, r) for r in range(world_size)])):
+        for problem in filter(None, map(_output_path_problem, paths if path else [])):
+            parser.error(f"--{option}: {problem}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    if args.backend is not None:
+        if not dist.is_backend_available(args.backend):
+            parser.error(f"--backend {args.backend}: not available in this torch build")
+        if args.backend == "nccl" and args.device != "cuda":
+            parser.error("--backend nccl needs --device cuda")
+
+
+def _plan_problem(path):
+    """Why the --plan file is no plan (not JSON, not a plan's shape), or None."""
+    try:
+        from omgs_hook.hook import _parse_pinned_plan
+    except ImportError:  # a library without it: at least the JSON
+        try:
+            with open(path, encoding="utf-8") as handle:
+                json.load(handle)
+        except (OSError, ValueError) as error:
+            return f"not a JSON plan: {error}"
+        return None
+    try:
+        _parse_pinned_plan(path)  # register()'s own reading of plan=
+    except ValueError as error:
+        message = str(error)
+        return message[len("plan: "):] if message.startswith("plan: ") else message
+    return None
+
+
+def _output_path_problem(path):
+    """Why ``path`` cannot be written as a file (missing folders are created), or None."""
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder):  # the first existing one is where mkdir starts
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"cannot create {path}: {folder} is not a directory"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot create {path}: {folder} is not writable"
+    return None
 
 
 # ---------------------------------------------------------------------------------
@@ -513,29 +600,104 @@ def rank_file(path, rank):
     return f"{path}.rank{rank}"
 
 
-def _atomic_save(obj, path):
-    # a crash while writing must not destroy the previous, complete checkpoint
+class TrainError(Exception):
+    """A problem train.py explains in one line: main prints it without a traceback."""
+
+
+class ResumeError(TrainError, ValueError):
+    """The checkpoint cannot be resumed from (unreadable, another setup, incomplete)."""
+
+
+class MissingCheckpointError(TrainError, FileNotFoundError):
+    """A file of the checkpoint set is not there."""
+
+
+def _write_tmp(obj, path):
+    """Write ``obj`` to ``path``.tmp and return that name; a failed write leaves no
+    partial file behind."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+    except BaseException:
+        if os.path.isfile(tmp):  # (not whatever else is in the way under that name)
+            os.remove(tmp)
+        raise
+    return tmp
+
+
+def _atomic_save(obj, path):
+    # a crash while writing must not destroy the previous, complete checkpoint
+    tmp = _write_tmp(obj, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+
+
+def _ranks_that_failed(failed, rank, world_size, device):
+    """Every rank learns which ranks report a failure (a collective: all ranks call it)."""
+    flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+    flags[rank] = int(failed)
+    dist.all_reduce(flags)
+    return [r for r, flag in enumerate(flags.tolist()) if flag]
 
 
 def save_checkpoint(args, rank, world_size, step, model, optimizer, hook):
+    """Write the shared file and every rank's file of ``step`` as one set.
+
+    --resume needs the shared file and the rank files of the same step, so nothing is
+    replaced until every rank has written its new files: a failed write on any rank
+    leaves the previous set whole (and raises on every rank). The shared file, which the
+    rank files' step is checked against, is replaced last.
+    """
+    files = []  # (contents, path) this rank writes
     if rank == 0:
-        _atomic_save({
+        files.append(({
             "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step,
             "world_size": world_size, "model_name": args.model, "hook": args.hook,
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        }, args.checkpoint)
+        }, args.checkpoint))
     per_rank = {"step": step, "rank": rank, "world_size": world_size, "hook": args.hook,
                 "hook_state": hook.state_dict() if hook is not None else None,
                 "rng_state": torch.get_rng_state()}
     if torch.cuda.is_available() and args.device == "cuda":
         per_rank["cuda_rng_state"] = torch.cuda.get_rng_state()
-    _atomic_save(per_rank, rank_file(args.checkpoint, rank))
-    # nobody continues (or exits) until every rank's file of this step is complete
+    files.append((per_rank, rank_file(args.checkpoint, rank)))
+    written, error = [], None  # written: (tmp, final path)
+    try:
+        for contents, path in files:
+            written.append((_write_tmp(contents, path), path))
+    except (OSError, RuntimeError) as caught:  # RuntimeError: torch.save's, e.g. disk full
+        error = f"{path}.tmp: {str(caught).strip()}"
+    device = next(model.parameters()).device  # (nccl reduces CUDA tensors only)
+    failed = _ranks_that_failed(error is not None, rank, world_size, device)
+    if failed:
+        for tmp, _ in written:
+            os.remove(tmp)
+        why = error or f"failed on rank {', '.join(map(str, failed))}"
+        raise TrainError(f"--checkpoint: the checkpoint of step {step} was not saved ({why}); "
+                         f"{args.checkpoint} and its rank files are left as they were")
+    os.replace(*written[-1])
+    dist.barrier()  # every rank file is of this step before the shared file says so
+    if rank == 0:
+        os.replace(*written[0])
+    # nobody continues (or exits) until the whole set of this step is in place
     dist.barrier()
+
+
+def _load(path):
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated, not a torch file, objects it may not load
+        lines = str(error).strip().splitlines()
+        raise ResumeError(f"--resume: cannot read checkpoint file {path} (truncated or not "
+                          f"written by train.py?): {lines[0] if lines else type(error).__name__}"
+                          ) from None
+    if not isinstance(record, dict) or "step" not in record:
+        raise ResumeError(f"--resume: {path} is not a train.py checkpoint file")
+    return record
 
 
 def load_checkpoint(args, rank, world_size):
@@ -543,12 +705,11 @@ def load_checkpoint(args, rank, world_size):
     shared_path, own_path = args.checkpoint, rank_file(args.checkpoint, rank)
     for path in (shared_path, own_path):
         if not os.path.exists(path):
-            raise FileNotFoundError(f"--resume: checkpoint file {path} does not exist")
-    shared = torch.load(shared_path, map_location="cpu", weights_only=True)
-    own = torch.load(own_path, map_location="cpu", weights_only=True)
+            raise MissingCheckpointError(f"--resume: checkpoint file {path} does not exist")
+    shared, own = _load(shared_path), _load(own_path)
     if shared.get("format") != CHECKPOINT_FORMAT or shared.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"--resume: {shared_path} is not a version-{CHECKPOINT_VERSION} "
-                         f"train.py checkpoint")
+        raise ResumeError(f"--resume: {shared_path} is not a version-{CHECKPOINT_VERSION} "
+                          f"train.py checkpoint")
     problems = []
     if shared["model_name"] != args.model:
         problems.append(f"model {shared['model_name']!r} (now {args.model!r})")
@@ -557,12 +718,27 @@ def load_checkpoint(args, rank, world_size):
     if shared["world_size"] != world_size:
         problems.append(f"world size {shared['world_size']} (now {world_size}); the hook "
                         f"state is per rank")
-    if own["step"] != shared["step"]:
-        problems.append(f"{own_path} is from step {own['step']}, {shared_path} from step "
-                        f"{shared['step']}")
     if problems:
-        raise ValueError(f"--resume: {shared_path} was written with " + "; ".join(problems))
+        raise ResumeError(f"--resume: {shared_path} was written with " + "; ".join(problems))
+    if own["step"] != shared["step"]:
+        raise ResumeError(f"--resume: {own_path} is from step {own['step']} but {shared_path} "
+                          f"from step {shared['step']}: the checkpoint set is incomplete; "
+                          f"start afresh without --resume")
     return shared, own
+
+
+def load_hook_state(hook, state, args, rank):
+    """Restore the hook's state, its refusals in train.py's terms."""
+    try:
+        hook.load_state_dict(state)
+    except ValueError as error:
+        # the library suggests register()'s on_world_size_change, which train.py has not
+        message = str(error).split("; pass on_world_size_change=")[0]
+        if message != str(error):
+            message += ("; resume with the --topology and --ranks-per-node the checkpoint "
+                        "was written with, or start afresh without --resume")
+        raise ResumeError(f"--resume: {rank_file(args.checkpoint, rank)}: hook "
+                          f"state: {message}") from None
 
 
 # ---------------------------------------------------------------------------------
@@ -571,13 +747,19 @@ def load_checkpoint(args, rank, world_size):
 
 
 class JsonLog:
-    """Append JSON lines on rank 0 (a no-op elsewhere or without --log)."""
+    """Write JSON lines on rank 0 (a no-op elsewhere or without --log).
 
-    def __init__(self, path, enabled, append):
+    ``resume_step``: None starts the file afresh; a step (a resumed run's) keeps the
+    records up to that step and appends (see :func:`trim_log`).
+    """
+
+    def __init__(self, path, enabled, resume_step=None):
         self.handle = None
         if path and enabled:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.handle = open(path, "a" if append else "w")
+            if resume_step is not None:
+                trim_log(path, resume_step)
+            self.handle = open(path, "w" if resume_step is None else "a")
 
     def write(self, **record):
         if self.handle is not None:
@@ -587,6 +769,34 @@ class JsonLog:
     def close(self):
         if self.handle is not None:
             self.handle.close()
+
+
+def trim_log(path, step):
+    """Cut a resumed run's log back to what its checkpoint (of ``step``) had seen.
+
+    The records of later steps were written by the interrupted run after that checkpoint
+    and are written again now; its summary line (a plain --resume after a finished run)
+    is no longer the end, and a line cut short by a crash is no JSON. All of these go;
+    the file is replaced atomically.
+    """
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict) or record.get("summary"):
+                continue
+            later = isinstance(record.get("step"), (int, float)) and record["step"] > step
+            if not later:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.writelines(kept)
+    os.replace(tmp, path)
 
 
 def _json_default(value):
@@ -644,6 +854,12 @@ class PlanHistory:
         self.entries.append(entry)
         return [entry]
 
+    def resumed(self, hook_state):
+        """After a resume: the plans of the checkpoint's hook state were logged by the run
+        that wrote it; only later ones are new."""
+        if self.enabled and isinstance(hook_state, dict):
+            self.entries = list(hook_state.get("plan_history") or [])
+
 
 def describe_plan_entry(entry):
     """One plan-history entry in a line: step, groups (units per group), dense groups."""
@@ -683,6 +899,18 @@ def freeze_what_was_built(args):
         gc.freeze()
 
 
+def schedule_length(args, steps_per_epoch):
+    """Steps of the learning-rate schedule (--epochs), the step to stop at, and why that
+    is fewer than --steps (or None)."""
+    total_steps = args.epochs * steps_per_epoch
+    if not args.steps or args.steps <= total_steps:
+        return total_steps, args.steps or total_steps, None
+    # (steps per epoch depend on the data: known only now, not when parsing the options)
+    return total_steps, total_steps, (
+        f"--steps {args.steps} > {total_steps} steps of --epochs {args.epochs} "
+        f"({steps_per_epoch} per epoch): stopping at {total_steps}")
+
+
 def train(args, rank, world_size, device):
     is_main = rank == 0
     dataset = load_data(args)
@@ -719,14 +947,15 @@ def train(args, rank, world_size, device):
         bucket_cap_mb=bucket_cap_for(args, model), **ddp_options)
     hook = attach_hook(ddp_model, args, device)
     if rank_state is not None and hook is not None:
-        hook.load_state_dict(rank_state["hook_state"])
+        load_hook_state(hook, rank_state["hook_state"], args, rank)
 
     sampler = example_data.make_sampler(dataset.num_train, world_size, rank, args.seed)
     steps_per_epoch = example_data.steps_per_epoch(dataset.num_train, world_size,
                                                    args.batch_size)
-    total_steps = args.epochs * steps_per_epoch
-    stop_step = min(total_steps, args.steps) if args.steps else total_steps
-    log = JsonLog(args.log, is_main, append=args.resume)
+    total_steps, stop_step, capped = schedule_length(args, steps_per_epoch)
+    log = JsonLog(args.log, is_main, resume_step=start_step if args.resume else None)
+    if is_main and capped:
+        print(f"train.py: warning: {capped}", file=sys.stderr, flush=True)
     if is_main:
         print(f"train.py: {args.model} ({count_parameters(model):,} parameters), "
               f"{example_data.describe(dataset)}; world size {world_size} ({dist.get_backend()}), "
@@ -743,6 +972,8 @@ def train(args, rank, world_size, device):
     iter_times = []
     evaluation = None
     plan_history = PlanHistory(hook)
+    if rank_state is not None:
+        plan_history.resumed(rank_state["hook_state"])
     step = start_step
     epoch = step // steps_per_epoch
     ddp_model.train()
@@ -888,13 +1119,19 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     rank, world_size, device = init_distributed(args)
     show_hook_log(rank)
-    train(args, rank, world_size, device)
+    status = 0
+    try:
+        train(args, rank, world_size, device)
+    except TrainError as error:
+        where = f" (rank {rank})" if world_size > 1 else ""
+        print(f"train.py{where}: error: {error}", file=sys.stderr, flush=True)
+        status = 1
     # Free the DDP model (and the hook state that references it) before tearing down the
     # process group: gloo otherwise aborts at interpreter exit in ~10-20% of runs.
     gc.unfreeze()  # (frozen objects are never collected)
     gc.collect()
     dist.destroy_process_group()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

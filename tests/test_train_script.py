@@ -369,7 +369,9 @@ def test_resume_refuses_a_checkpoint_of_another_setup(full_allreduce_run, train_
                                     "--resume"])
     shared, own = train_script.load_checkpoint(args, rank=1, world_size=2)
     assert shared["step"] == own["step"] == 6 and own["rank"] == 1
-    missing = train_script.parse_args(["--checkpoint", str(tmp_path / "none.pt"), "--resume"])
+    # (--resume itself refuses a missing file up front; --resume-if-present gets here)
+    missing = train_script.parse_args(["--checkpoint", str(tmp_path / "none.pt"),
+                                       "--resume-if-present"])
     with pytest.raises(FileNotFoundError, match="none.pt does not exist"):
         train_script.load_checkpoint(missing, rank=0, world_size=2)
 
@@ -437,6 +439,9 @@ def test_omgs_trains_sparsely_and_resumes_its_state(tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     plan_lines = [r for r in records if r.get("event") == "plan"]
     assert plan_lines and all(r["step"] >= 2 for r in plan_lines)
+    # the resumed run logs only plans the checkpoint did not have, and one summary in all
+    logged = [json.dumps(r["plan_history_entry"], sort_keys=True) for r in plan_lines]
+    assert len(logged) == len(set(logged)) and len(summaries) == 1
     history = summaries[-1]["plan_history"]
     assert history and _groups_of(history[-1]) == stats["plan"]["groups"]
     assert stats["plan"] is not None and stats["plan"]["num_groups"] >= 1
@@ -503,3 +508,234 @@ def test_a_checkpoint_into_a_missing_folder_creates_it(train_script, tmp_path):
     path = tmp_path / "new" / "deeper" / "ckpt.pt"
     train_script._atomic_save({"step": 3}, str(path))
     assert torch.load(path)["step"] == 3 and not (path.parent / "ckpt.pt.tmp").exists()
+
+
+# --------------------------------------------------------------------- bad input, resume
+
+
+def _refused(parse, argv, capsys):
+    """parse(argv) must stop with a parser error; its message (stderr)."""
+    with pytest.raises(SystemExit) as stopped:
+        parse(argv)
+    assert stopped.value.code == 2, argv
+    return capsys.readouterr().err
+
+
+def test_bad_files_are_refused_up_front_naming_the_option(train_script, tmp_path, capsys):
+    """Paths train.py writes or reads, refused before any process group exists (before,
+    these failed with a traceback after set-up - a checkpoint path only after an epoch)."""
+    parse = train_script.parse_args
+    folder, afile = tmp_path / "adir", tmp_path / "afile"
+    folder.mkdir()
+    afile.write_text("x")
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text('{"groups": [[0, 1],')
+    for argv, named in (
+            (["--log-file", str(folder)], "--log-file: "),
+            (["--log-file", str(afile / "run.jsonl")], "--log-file: "),
+            (["--checkpoint", str(folder)], "--checkpoint: "),
+            (["--checkpoint", str(afile / "sub" / "c.pt")], "--checkpoint: "),
+            (["--checkpoint", str(tmp_path / "none.pt"), "--resume"], "--resume: "),
+            (["--profile", str(tmp_path / "missing.json")], "--profile: "),
+            (["--profile", str(truncated)], "--profile: "),
+            (["--profile", str(folder)], "--profile: "),
+            (["--plan", str(truncated)], "--plan "),
+            (["--hook", "omgs", "--plan", str(afile)], "--plan ")):
+        err = _refused(parse, argv, capsys)
+        assert named in err and "Traceback" not in err, (argv, err)
+    # missing folders of a log or checkpoint are still created when writing
+    args = parse(["--log-file", str(tmp_path / "new" / "run.jsonl"),
+                  "--checkpoint", str(tmp_path / "new" / "c.pt")])
+    assert args.log.endswith("run.jsonl") and not (tmp_path / "new").exists()
+
+
+def test_bad_values_and_options_of_other_hooks_are_refused(train_script, tmp_path, capsys):
+    from omgs_hook.profile_file import SCHEMA_VERSION
+
+    parse = train_script.parse_args
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "schema_version": SCHEMA_VERSION, "world_size": 2, "backend": "gloo", "device": "cpu",
+        "comm": {"alpha_s": 2.4e-4, "beta_s_per_byte": 1.1e-9},
+        "dense": {"alpha_s": 2.6e-4, "beta_s_per_byte": 6e-10},
+        "topk": {"backend": "sampled", "c0": 1e-5, "c1": 2e-9, "c2": 0.0}}))
+    for argv, named in (
+            (["--topk-backend", "bogus"], "--topk-backend"),
+            (["--topk-backend", "cupy"], "--topk-backend cupy needs --device cuda"),
+            (["--hook", "allreduce", "--topk-backend", "torch"], "--topk-backend only"),
+            (["--hook", "powersgd", "--profile", str(profile)], "--profile only"),
+            (["--backend", "bogus"], "--backend"),
+            (["--backend", "nccl"], "--backend nccl"),
+            (["--min-sparse-numel", "-5"], "--min-sparse-numel: must be >= 0"),
+            (["--min-sparse-numel", "64", "--no-allow-dense"], "--min-sparse-numel")):
+        err = _refused(parse, argv, capsys)
+        assert named in err, (argv, err)
+    args = parse(["--hook", "lags", "--topk-backend", "torch", "--profile", str(profile),
+                  "--backend", "gloo"])
+    assert train_script.hook_options(args)["topk_backend"] == "torch"
+    assert train_script.hook_options(args)["profile"] == str(profile)
+
+
+def test_help_shows_no_default_that_the_run_does_not_use(train_script, capsys):
+    """--no-dense-groups showed "(default: True)" (store_false's own default), options left
+    to the library "(default: None)" after saying so."""
+    with pytest.raises(SystemExit):
+        train_script.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    start = text.index("--no-dense-groups omgs")
+    entry = text[start:text.index("--min-sparse-numel MIN", start)]
+    assert "older spelling" in entry and "default" not in entry, entry
+    assert "the library's default) (default: None)" not in text
+    assert "(default: 0.01)" in text  # the others still show theirs
+    assert train_script.parse_args([]).allow_dense is None
+
+
+def test_steps_beyond_the_schedule_are_named(train_script):
+    """--steps 60 with one 44-step epoch ran 44 steps without a word."""
+    args = train_script.parse_args(["--epochs", "1", "--steps", "60"])
+    assert train_script.schedule_length(args, 44) == (
+        44, 44, "--steps 60 > 44 steps of --epochs 1 (44 per epoch): stopping at 44")
+    args = train_script.parse_args(["--epochs", "2", "--steps", "60"])
+    assert train_script.schedule_length(args, 44) == (88, 60, None)
+    assert train_script.schedule_length(train_script.parse_args(["--epochs", "2"]), 44) == \
+        (88, 88, None)
+
+
+def _save_set(path, steps):
+    """A checkpoint set in train.py's layout: shared file and rank files of these steps."""
+    torch.save({"format": "omgs-hook-train-checkpoint", "version": 1, "step": steps[0],
+                "world_size": 2, "model_name": "resnet20", "hook": "allreduce",
+                "model": {}, "optimizer": {}}, path)
+    for rank, step in enumerate(steps[1:]):
+        torch.save({"step": step, "rank": rank, "world_size": 2, "hook": "allreduce",
+                    "hook_state": None, "rng_state": torch.get_rng_state()}, f"{path}.rank{rank}")
+
+
+def test_an_unusable_checkpoint_is_named_in_one_line(train_script, tmp_path):
+    checkpoint = tmp_path / "c.pt"
+    args = train_script.parse_args(["--hook", "allreduce", "--checkpoint", str(checkpoint),
+                                    "--resume-if-present"])
+    _save_set(checkpoint, [12, 12, 8])
+    with pytest.raises(train_script.ResumeError) as refused:
+        train_script.load_checkpoint(args, rank=1, world_size=2)
+    message = str(refused.value)
+    assert "c.pt.rank1 is from step 8 but" in message and "from step 12" in message
+    assert "was written with" not in message  # (it read "was written with c.pt.rank1 is ...")
+    rank1 = tmp_path / "c.pt.rank1"
+    rank1.write_bytes(rank1.read_bytes()[:100])  # a truncated file
+    with pytest.raises(train_script.ResumeError, match=r"cannot read checkpoint file \S*c.pt.rank1"
+                       ) as refused:
+        train_script.load_checkpoint(args, rank=1, world_size=2)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.multiprocess
+def test_a_truncated_checkpoint_stops_the_run_with_one_line(tmp_path):
+    checkpoint = tmp_path / "c.pt"
+    _save_set(checkpoint, [3, 3])
+    checkpoint.write_bytes(checkpoint.read_bytes()[:200])
+    returncode, output = launch(FAST + ["--hook", "allreduce", "--checkpoint", str(checkpoint),
+                                        "--resume", "--steps", "4"], nproc=None, timeout=60)
+    assert returncode == 1, output
+    assert f"error: --resume: cannot read checkpoint file {checkpoint}" in output
+    assert "Traceback" not in output
+
+
+def test_a_topology_change_on_resume_says_what_to_do_with_train_py(train_script):
+    """The library's advice (register()'s on_world_size_change) is no option of train.py."""
+    class Refusing:
+        def load_state_dict(self, state):
+            raise ValueError(  # the library's message
+                "topology: state saved with topology flat, this run has hierarchical: "
+                "residuals are per-rank (per-shard with the two-level exchange) error feedback "
+                "and cannot be re-split; pass on_world_size_change='reset' to drop them")
+
+    args = train_script.parse_args(["--checkpoint", "c.pt", "--resume-if-present"])
+    with pytest.raises(train_script.ResumeError) as refused:
+        train_script.load_hook_state(Refusing(), {}, args, rank=1)
+    message = str(refused.value)
+    assert "on_world_size_change" not in message and "c.pt.rank1" in message
+    assert "--topology" in message and "without --resume" in message
+    assert "state saved with topology flat, this run has hierarchical" in message
+
+
+def test_a_failed_save_leaves_no_temporary_file(train_script, tmp_path):
+    target = tmp_path / "c.pt"
+    target.mkdir()  # os.replace cannot put a file there
+    with pytest.raises(OSError):
+        train_script._atomic_save({"step": 1}, str(target))
+    assert not (tmp_path / "c.pt.tmp").exists()
+    blocked = tmp_path / "d.pt"
+    (tmp_path / "d.pt.tmp").mkdir()  # torch.save cannot write the temporary file
+    with pytest.raises(RuntimeError):
+        train_script._atomic_save({"step": 1}, str(blocked))
+    assert not blocked.exists()
+
+
+@pytest.mark.multiprocess
+def test_a_save_failing_on_one_rank_keeps_the_previous_checkpoint_set(train_script, tmp_path):
+    """Rank 0 used to replace the shared file before rank 1 had written its file: a failed
+    save left c.pt at the new step, c.pt.rank1 at the old one, and no resume possible."""
+    checkpoint = tmp_path / "c.pt"
+    common = FAST + ["--hook", "allreduce", "--checkpoint", str(checkpoint)]
+    launch_ok(common + ["--steps", "3"])
+    (tmp_path / "c.pt.rank1.tmp").mkdir()  # rank 1's next write fails
+    returncode, output = launch(common + ["--steps", "5", "--resume"])
+    assert returncode != 0
+    args = train_script.parse_args(common + ["--resume-if-present"])
+    for rank in (0, 1):
+        shared, own = train_script.load_checkpoint(args, rank=rank, world_size=2)
+        assert shared["step"] == own["step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "c.pt", "c.pt.rank0", "c.pt.rank1", "c.pt.rank1.tmp"]  # (the blocking folder)
+    assert "(rank 1): error: --checkpoint: the checkpoint of step 5 was not saved" in output
+    assert "[rank1]: Traceback" not in output  # (torchrun's own traceback follows)
+
+
+def test_a_resumed_log_is_cut_back_to_the_checkpoint(train_script, tmp_path):
+    log = tmp_path / "run.jsonl"
+    records = [{"step": s, "epoch": 0, "loss": 1.0} for s in (1, 2, 3, 4)]
+    records[2:2] = [{"event": "plan", "step": 2, "plan_history_entry": {"step": 2}}]
+    records.append({"epoch": 0, "step": 4, "test_accuracy": 0.5, "test_loss": 1.0})
+    records.append({"summary": True, "steps": 4})
+    log.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 5, "lo')
+    train_script.JsonLog(str(log), True, resume_step=3).close()
+    assert [json.loads(line) for line in log.read_text().splitlines()] == records[:4]
+    train_script.JsonLog(str(log), True, resume_step=None).close()  # a fresh run
+    assert log.read_text() == ""
+
+
+def test_plans_the_checkpoint_had_are_not_logged_again(train_script):
+    hook = _FakeHook(with_history=True)
+    hook.use(2, [[0, 1, 2]])
+    hook.use(5, [[0], [1, 2]])
+    history = train_script.PlanHistory(hook)
+    history.resumed({"plan_history": list(hook.history)})  # the loaded hook state's
+    assert history.poll(6) == [] and len(history.entries) == 2
+    hook.use(7, [[0, 1], [2]])
+    assert [e["step"] for e in history.poll(7)] == [7]
+
+
+@pytest.mark.multiprocess
+def test_an_elastic_restart_logs_every_step_once(tmp_path):
+    """torchrun --max-restarts: the relaunch resumes from step 4; the first attempt had
+    logged steps 5 and 6 too, which were then logged again."""
+    checkpoint, log = tmp_path / "e.pt", tmp_path / "e.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--max-restarts=1", "--nproc_per_node=2", str(SCRIPT), *FAST,
+               "--hook", "allreduce", "--steps", "10", "--checkpoint", str(checkpoint),
+               "--checkpoint-every", "4", "--fail-at-step", "6", "--resume-if-present",
+               "--log-file", str(log)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"train.py did not finish:\n{process.communicate()[0][-4000:]}")
+    assert process.returncode == 0, output[-6000:]
+    assert "fails on purpose after step 6" in output
+    steps, evals, summaries = read_log(log)
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    assert [r["step"] for r in evals] == [10] and len(summaries) == 1
