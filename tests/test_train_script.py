@@ -416,6 +416,25 @@ def test_powersgd_compresses_on_gloo_without_hanging(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_resumed_powersgd_run_is_the_uninterrupted_one(tmp_path):
+    """Split after compression started: the resumed process's first step runs DDP's
+    first-guess bucket (another parameter order than the checkpoint's), and its error
+    feedback and warm-start factors must still land on their own parameters."""
+    common = SYNTHETIC + ["--hook", "powersgd", "--warmup-steps", "2"]
+    whole, part = tmp_path / "whole.pt", tmp_path / "part.pt"
+    launch_ok(common + ["--steps", "8", "--checkpoint", str(whole)])
+    launch_ok(common + ["--steps", "5", "--checkpoint", str(part)])
+    saved = torch.load(f"{part}.rank0", weights_only=True)["hook_state"]
+    assert saved["error_dict"] and saved["orders"]  # compressed steps 3 to 5 ran
+    launch_ok(common + ["--steps", "8", "--checkpoint", str(part), "--resume"])
+    a, b = (torch.load(path, weights_only=True) for path in (whole, part))
+    assert a["step"] == b["step"] == 8
+    for name, tensor in a["model"].items():
+        assert torch.equal(b["model"][name], tensor), (
+            name, float((b["model"][name].double() - tensor.double()).abs().max()))
+
+
+@pytest.mark.multiprocess
 def test_omgs_trains_sparsely_and_resumes_its_state(tmp_path):
     checkpoint, log = tmp_path / "o.pt", tmp_path / "o.jsonl"
     # --no-allow-dense: on loopback the plan would send most groups dense
