@@ -732,6 +732,10 @@ def save_checkpoint(args, rank, world_size, step, model, optimizer, hook):
                 "rng_state": torch.get_rng_state()}
     if torch.cuda.is_available() and args.device == "cuda":
         per_rank["cuda_rng_state"] = torch.cuda.get_rng_state()
+    if args.no_broadcast_buffers:
+        # each rank's own BatchNorm statistics: without the broadcast they differ, and the
+        # shared file holds rank 0's only
+        per_rank["buffers"] = dict(model.named_buffers())
     files.append((per_rank, rank_file(args.checkpoint, rank)))
     written, error = [], None  # written: (tmp, final path)
     try:
@@ -1013,6 +1017,13 @@ def train(args, rank, world_size, device):
     ddp_model = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_for(args, model), **ddp_options)
+    if rank_state is not None and args.no_broadcast_buffers and rank_state.get("buffers"):
+        # each rank's own statistics, after DDP's construction (which broadcast rank 0's)
+        own = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, tensor in rank_state["buffers"].items():
+                if name in own:
+                    own[name].copy_(tensor)
     hook = attach_hook(ddp_model, args, device)
     if rank_state is not None and hook is not None:
         load_hook_state(hook, rank_state["hook_state"], args, rank)

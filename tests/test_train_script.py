@@ -435,6 +435,26 @@ def test_a_resumed_powersgd_run_is_the_uninterrupted_one(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_each_ranks_own_buffers_survive_a_resume_without_their_broadcast(tmp_path):
+    """--no-broadcast-buffers: each rank's BatchNorm statistics are its own; a resumed
+    run continues from them, not from rank 0's (the shared file's)."""
+    common = SYNTHETIC + ["--hook", "allreduce", "--no-broadcast-buffers"]
+    whole, part = tmp_path / "whole.pt", tmp_path / "part.pt"
+    launch_ok(common + ["--steps", "6", "--checkpoint", str(whole)])
+    launch_ok(common + ["--steps", "3", "--checkpoint", str(part)])
+    launch_ok(common + ["--steps", "6", "--checkpoint", str(part), "--resume"])
+    for rank in range(2):
+        a, b = (torch.load(f"{path}.rank{rank}", weights_only=True)["buffers"]
+                for path in (whole, part))
+        assert a.keys() == b.keys() and a
+        for name, tensor in a.items():
+            assert torch.equal(b[name], tensor), (rank, name)
+    ranks = [torch.load(f"{whole}.rank{rank}", weights_only=True)["buffers"] for rank in (0, 1)]
+    assert any(not torch.equal(ranks[0][n], ranks[1][n]) for n in ranks[0]
+               if ranks[0][n].is_floating_point())  # the ranks' statistics do differ
+
+
+@pytest.mark.multiprocess
 def test_omgs_trains_sparsely_and_resumes_its_state(tmp_path):
     checkpoint, log = tmp_path / "o.pt", tmp_path / "o.jsonl"
     # --no-allow-dense: on loopback the plan would send most groups dense
