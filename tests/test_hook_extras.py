@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import omgs_hook
 from ddp_harness import run_ranks
-from test_hook_ddp import Net, batch, gather, loss_fn
+from test_hook_ddp import Net, batch, gather, loss_fn, train_steps
 
 pytestmark = pytest.mark.multiprocess
 
@@ -120,11 +120,7 @@ def moduleless_plot_worker(rank, world_size, png):
                                 select="model", warmup_steps=1)
     ddp.register_comm_hook(state, omgs_hook.omgs_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(6):
-        x, y = batch(step, rank)
-        opt.zero_grad()
-        loss_fn(ddp(x), y).backward()
-        opt.step()
+    train_steps(ddp, opt, 0, 6, rank)
     try:
         state.plot_timeline(png)
         message = None
@@ -160,11 +156,7 @@ def coarse_warning_worker(rank, world_size, warmup_steps, bucket_cap_mb):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(6):
-            x, y = batch(step, rank)
-            opt.zero_grad()
-            loss_fn(ddp(x), y).backward()
-            opt.step()
+        train_steps(ddp, opt, 0, 6, rank)
     state.close()
     del ddp
     gc.collect()
@@ -188,18 +180,19 @@ def test_the_coarse_bucket_warning_waits_for_ddps_rebuilt_buckets(warmup_steps):
         assert len(messages) == 1 and "holds 100% of the gradient" in messages[0]
 
 
-def closed_worker(rank, world_size):
+def _single_group_run(lr):
+    """Net under DDP with the hook's one sparse group (TopK-SGD), and its optimizer."""
     torch.manual_seed(0)
     model = Net()
     ddp = DDP(model, bucket_cap_mb=0)
     state = omgs_hook.register(ddp, density=0.05, strategy="single", allow_dense=False,
                                select="model", warmup_steps=1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(3):
-        x, y = batch(step, rank)
-        opt.zero_grad()
-        loss_fn(ddp(x), y).backward()
-        opt.step()
+    return model, ddp, state, torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def closed_worker(rank, world_size):
+    model, ddp, state, opt = _single_group_run(lr=0.05)
+    train_steps(ddp, opt, 0, 3, rank)
     state.close()
     steps = state.stats()["total"]["steps"]  # the reports still work
     x, y = batch(3, rank)
@@ -245,12 +238,7 @@ def test_the_summary_of_a_dense_run_does_not_wait_for_a_plan():
 def eval_forward_worker(rank, world_size):
     import time
 
-    torch.manual_seed(0)
-    model = Net()
-    ddp = DDP(model, bucket_cap_mb=0)
-    state = omgs_hook.register(ddp, density=0.05, strategy="single", allow_dense=False,
-                               select="model", warmup_steps=1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, ddp, state, opt = _single_group_run(lr=0.01)
     measured = []
     for step in range(4):
         x, y = batch(step, rank)

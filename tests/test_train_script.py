@@ -39,13 +39,14 @@ def train_script():
     return _load_script()
 
 
-def launch(args, nproc=2, timeout=LAUNCH_TIMEOUT_S):
-    """Run train.py under torchrun (nproc ranks) or plainly (nproc=None); return the result."""
+def launch(args, nproc=2, timeout=LAUNCH_TIMEOUT_S, torchrun_args=()):
+    """Run train.py under torchrun (nproc ranks, with ``torchrun_args``) or plainly
+    (nproc=None); return the result."""
     if nproc is None:
         command = [sys.executable, str(SCRIPT), *args]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={nproc}", str(SCRIPT), *args]
+                   f"--nproc_per_node={nproc}", *torchrun_args, str(SCRIPT), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -760,20 +761,12 @@ def test_an_elastic_restart_logs_every_step_once(tmp_path):
     """torchrun --max-restarts: the relaunch resumes from step 4; the first attempt had
     logged steps 5 and 6 too, which were then logged again."""
     checkpoint, log = tmp_path / "e.pt", tmp_path / "e.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--max-restarts=1", "--nproc_per_node=2", str(SCRIPT), *FAST,
-               "--hook", "allreduce", "--steps", "10", "--checkpoint", str(checkpoint),
-               "--checkpoint-every", "4", "--fail-at-step", "6", "--resume-if-present",
-               "--log-file", str(log)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"train.py did not finish:\n{process.communicate()[0][-4000:]}")
-    assert process.returncode == 0, output[-6000:]
+    returncode, output = launch(FAST + ["--hook", "allreduce", "--steps", "10",
+                                        "--checkpoint", str(checkpoint), "--checkpoint-every",
+                                        "4", "--fail-at-step", "6", "--resume-if-present",
+                                        "--log-file", str(log)],
+                                torchrun_args=["--max-restarts=1"])
+    assert returncode == 0, output[-6000:]
     assert "fails on purpose after step 6" in output
     steps, evals, summaries = read_log(log)
     assert [r["step"] for r in steps] == list(range(1, 11))
