@@ -341,15 +341,8 @@ def _validate(parser, args):
 
 def _plan_problem(path):
     """Why the --plan file is no plan (not JSON, not a plan's shape), or None."""
-    try:
-        from omgs_hook.hook import _parse_pinned_plan
-    except ImportError:  # a library without it: at least the JSON
-        try:
-            with open(path, encoding="utf-8") as handle:
-                json.load(handle)
-        except (OSError, ValueError) as error:
-            return f"not a JSON plan: {error}"
-        return None
+    from omgs_hook.hook import _parse_pinned_plan
+
     try:
         _parse_pinned_plan(path)  # register()'s own reading of plan=
     except ValueError as error:
@@ -694,9 +687,9 @@ def _write_tmp(obj, path):
     return tmp
 
 
-def _atomic_save(obj, path):
-    # a crash while writing must not destroy the previous, complete checkpoint
-    tmp = _write_tmp(obj, path)
+def _replace_with(tmp, path):
+    """Put the written ``tmp`` in ``path``'s place (one rename: a crash never leaves a
+    half-written file there); a failed rename removes ``tmp``."""
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -751,10 +744,10 @@ def save_checkpoint(args, rank, world_size, step, model, optimizer, hook):
         why = error or f"failed on rank {', '.join(map(str, failed))}"
         raise TrainError(f"--checkpoint: the checkpoint of step {step} was not saved ({why}); "
                          f"{args.checkpoint} and its rank files are left as they were")
-    os.replace(*written[-1])
+    _replace_with(*written[-1])
     dist.barrier()  # every rank file is of this step before the shared file says so
     if rank == 0:
-        os.replace(*written[0])
+        _replace_with(*written[0])
     # nobody continues (or exits) until the whole set of this step is in place
     dist.barrier()
 

@@ -546,7 +546,7 @@ def test_rank_zero_shows_the_hooks_info_log_and_the_others_stay_quiet(train_scri
 
 def test_a_checkpoint_into_a_missing_folder_creates_it(train_script, tmp_path):
     path = tmp_path / "new" / "deeper" / "ckpt.pt"
-    train_script._atomic_save({"step": 3}, str(path))
+    train_script._replace_with(train_script._write_tmp({"step": 3}, str(path)), str(path))
     assert torch.load(path)["step"] == 3 and not (path.parent / "ckpt.pt.tmp").exists()
 
 
@@ -703,12 +703,13 @@ def test_a_failed_save_leaves_no_temporary_file(train_script, tmp_path):
     target = tmp_path / "c.pt"
     target.mkdir()  # os.replace cannot put a file there
     with pytest.raises(OSError):
-        train_script._atomic_save({"step": 1}, str(target))
+        train_script._replace_with(train_script._write_tmp({"step": 1}, str(target)),
+                                   str(target))
     assert not (tmp_path / "c.pt.tmp").exists()
     blocked = tmp_path / "d.pt"
     (tmp_path / "d.pt.tmp").mkdir()  # torch.save cannot write the temporary file
     with pytest.raises(RuntimeError):
-        train_script._atomic_save({"step": 1}, str(blocked))
+        train_script._write_tmp({"step": 1}, str(blocked))
     assert not blocked.exists()
 
 
