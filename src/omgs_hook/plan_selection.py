@@ -351,9 +351,11 @@ def compute_s(inst: Instance) -> float:
     return inst.forward_s + sum(u.backward_s for u in inst.layers) + inst.tail_s
 
 
-def workload_moved(now_s, then_s, factor: float = WORKLOAD_FACTOR) -> bool:
-    """Whether the compute ``now_s`` is more than ``factor`` times ``then_s`` or less than
-    its ``1 / factor`` (False while either is unknown or not positive)."""
+def workload_moved(now_s, then_s, factor: Optional[float] = None) -> bool:
+    """Whether the compute ``now_s`` is more than ``factor`` (None: ``WORKLOAD_FACTOR``,
+    read at the call) times ``then_s`` or less than its ``1 / factor`` (False while either
+    is unknown or not positive)."""
+    factor = WORKLOAD_FACTOR if factor is None else factor
     if not now_s or not then_s or now_s <= 0 or then_s <= 0:
         return False
     return max(now_s / then_s, then_s / now_s) > factor
