@@ -40,7 +40,8 @@ proposal. After it the hook runs a bounded *trial* (:mod:`omgs_hook.plan_selecti
 few candidate plans, each for a few ordinary training steps on a schedule fixed by step
 number, each timed from the previous step's end to its own (a step ends with its last
 collective, at about the same moment on every rank); the slowest rank's times,
-all-gathered, decide. The winner is kept until the model's inputs change.
+all-gathered, decide. The winner is kept until the model's inputs change (or, once
+settled, it runs slower than the trial's runner-up measured: the two are tried again).
 ``select="model"`` is the plain model plan (with ``allow_dense=False``: the paper's
 algorithm). ``plan=`` pins a plan: no re-planning, no trial.
 
@@ -500,7 +501,11 @@ class OMGSState:
             extra time over those steps. One small all-gather per measuring round (at most
             three per trial), from the hook. The trial's measurements also refit the model
             (a constant, seconds per element sent dense, seconds per sparse group:
-            ``stats()["cost_correction"]``) for the later re-plans.
+            ``stats()["cost_correction"]``) for the later re-plans. Once settled (20
+            steps after it went into use) the winner's step time is compared with the
+            other candidates' trial times: when it runs slower than one of them by more
+            than the trial's tie margin, the two run a trial of their own (the winner
+            first; once per trial, at most 36 steps, counted in the later trials' 3%).
         plan: pin the plan: a plan saved from a previous run (``state.stats()["plan"]``,
             ``state.state_dict()`` or its ``"plan"``), the output of ``omgs-plan`` (groups
             of bucket indices, adopted at the end of the warm-up; the layout must have
@@ -802,6 +807,9 @@ class OMGSState:
         self._model_key = None
         self._flat_model_key = None  # the flat model's plan when the last trial started
         self._retrial_steps = 0
+        # the last trial's winner was checked against the other candidates once settled
+        # (_maybe_regret_trial): once per trial
+        self._regret_checked = False
         self._closed = False  # close() was called: the hook refuses to run on
         # the step's compute (plan_selection.compute_s) when the last trial was planned: a
         # later periodic re-plan trials again when it has moved (WORKLOAD_FACTOR). For
@@ -1663,7 +1671,7 @@ class OMGSState:
                 self._note_plan("trial winner")
                 self._plan_in_use_from(self.step, check=True)
                 self._last_trial = self._refit_from_trial(trial)
-                if trial.reason == "periodic":
+                if trial.reason in ("periodic", "regret"):  # (later trials: one budget)
                     self._retrial_steps += self.step - trial.start_step
                 self._totals["trials"] += 1
                 self._trial = None
@@ -1674,6 +1682,37 @@ class OMGSState:
         if index is not None and self.plan != self._trial_plans[index]:
             self.plan = self._trial_plans[index]
             self._note_plan("trial")
+
+    def _maybe_regret_trial(self, layout, settled_s):
+        """At the settled check of a trial's winner: when it now runs slower than another
+        candidate of that trial by more than the trial could resolve
+        (:func:`plan_selection.regret_rival`), try the two once more, the winner first
+        (it keeps a tie), from this step. Once per trial; gathered numbers only (the
+        settled step time, the trial's report): the same on every rank."""
+        report = self._last_trial
+        if (self.select != "measured" or self._pinned is not None or self._regret_checked
+                or not plan_selection.REGRET_TRIAL or report is None or self._trial is not None
+                or self._trial_layout != tuple(tuple(b) for b in layout)):
+            return
+        winner = next((c for c in report["candidates"] if c.get("winner")), None)
+        plan = self.plan
+        if (winner is None or [list(g) for g in plan.unit_groups()] != winner["groups"]
+                or list(plan.dense) != list(winner["dense"])
+                or (winner.get("exchange") or plan.exchange) != plan.exchange):
+            return  # the plan in use is not the trial's winner (a re-plan replaced it)
+        self._regret_checked = True
+        rival = plan_selection.regret_rival(report, settled_s)
+        if rival is None:
+            return
+        # each priced under the correction in use now (the trial's refit added to the one
+        # its predictions were made with), so the next refit adds only what it finds
+        pair = [plan_selection.Candidate.from_dict(
+                    dict(c, predicted_s=c.get("refit_s", c["predicted_s"])))
+                for c in (winner, rival)]
+        logger.info("omgs_hook: step %d the trial's winner %s runs %.1f ms per step, "
+                    "%s measured %.1f ms in the trial: trying the two again", self.step,
+                    winner["name"], settled_s * 1e3, rival["name"], rival["measured_s"] * 1e3)
+        self._start_trial_from(plan_selection.Trial(pair, self.step, reason="regret"))
 
     def _refit_from_trial(self, trial):
         """The finished trial's report, with the model's correction fitted from it (the
@@ -2028,6 +2067,7 @@ class OMGSState:
                                         inputs["measured_step_s"], kind="settled")
                 self.plan = dataclasses.replace(
                     self.plan, predicted_iteration_s=self._model_check["predicted_s"])
+                self._maybe_regret_trial(layout, inputs["measured_step_s"])
             return
         if reason in ("check", "overhead") and self.plan is not None and self.plan.layout == layout:
             self._check_plan_in_use(self._instance_for(self.plan, instance, flat_instance),
@@ -2250,6 +2290,7 @@ class OMGSState:
             # (or a new layout's) was planned from the warm-up: the next periodic re-plan's
             self._trial_workload_s = (job.get("workload_s") if job["reason"] == "periodic"
                                       else None)
+            self._regret_checked = False
             self._trial_layout = layout
             lead = plan_selection.FIRST_TRIAL_LEAD_STEPS if job["reason"] == "first" else 0
             self._start_trial_from(plan_selection.Trial(candidates, self.step, reason=job["reason"],
@@ -2612,6 +2653,9 @@ class OMGSState:
                     for c in last_trial["candidates"])
                 lines.append(f"  measured selection (predicted/measured): {tried}; "
                              f"winner {last_trial['winner']}")
+                if last_trial.get("reason") == "regret":
+                    lines.append("  (a second trial: the winner before ran slower once "
+                                 "settled than the other measured in its trial)")
         total, last = s["total"], s["last"] or {}
         if plan is not None or self.density < 1.0:  # (at density 1 no step is sparse)
             lines.append(f"  achieved density after the warm-up: {total['density']:.4g} "
@@ -2729,8 +2773,11 @@ class OMGSState:
             "totals": dict(self._totals),
             "select": self.select,
             "trial": self._trial.state_dict() if self._trial is not None else None,
+            # (also after the trial: the refit of the model check and the settled
+            # check's second look at the winner are for that layout only)
             "trial_layout": ([list(b) for b in self._trial_layout]
-                             if self._trial is not None else None),
+                             if self._trial_layout is not None else None),
+            "regret_checked": self._regret_checked,
             "last_trial": self._last_trial,
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if self._model_key is not None else None),
@@ -2851,9 +2898,11 @@ class OMGSState:
             if k in self._totals:
                 self._totals[k] = int(v)
         self._trial, self._trial_plans, self._trial_layout = None, [], None
-        if sd.get("trial") and not replan and self._pinned is None:
+        if sd.get("trial_layout") and not replan:
             self._trial_layout = tuple(tuple(b) for b in sd["trial_layout"])
+        if sd.get("trial") and not replan and self._pinned is None:
             self._start_trial_from(plan_selection.Trial.from_state_dict(sd["trial"]))
+        self._regret_checked = bool(sd.get("regret_checked", False))
         self._last_trial = sd.get("last_trial")
         key = sd.get("model_key")
         self._model_key = ((tuple(tuple(g) for g in key[0]), tuple(bool(d) for d in key[1]))

@@ -81,6 +81,13 @@ NOISE_TIE = 1.5
 #: at most this many contenders (the best included) take part in the tie-break round:
 #: every confirmed one (the third of a near tie was left out when only two were)
 MAX_REMEASURE = 3
+#: a trial's winner that runs, once settled (the model's settled check, 20 steps after it
+#: went into use), slower than another candidate measured in the trial by more than the
+#: trial's tie margin (``max(NEAR_TIE, NOISE_TIE * noise)``) is tried once more against
+#: that candidate: a two-candidate trial, once per trial (:func:`regret_rival`). The
+#: held-out transformer on 4 shaped ranks: one dense group won its trial at 142 ms
+#: against 148 ms for ``single``, then ran 156-165 ms while TopK-SGD ran 123-128 ms
+REGRET_TRIAL = True
 #: later trials (a periodic re-plan whose model plan changed) start only while all of
 #: them together stay within this share of the steps run so far
 RETRIAL_SHARE = 0.03
@@ -1034,6 +1041,29 @@ class Trial:
                                if "local_forward" in sd
                                else [[math.nan] * len(r) for r in trial.local])
         return trial
+
+
+def regret_rival(report, settled_s, near_tie: float = NEAR_TIE,
+                 noise_tie: float = NOISE_TIE) -> Optional[dict]:
+    """The candidate of a finished trial ``report`` (:meth:`Trial.report`) that its winner,
+    measured at ``settled_s`` per step once settled, now looks slower than: the fastest
+    other candidate whose trial time times ``1 + margin`` is below ``settled_s``, where
+    ``margin = max(near_tie, noise_tie * noise)`` is the trial's own tie margin. None
+    when there is none, or nothing to compare (no winner, no measurement).
+
+    The trial's times are read at the trial's pace, and they sat 4-9% above the same
+    plan's steady steps on the shaped cluster (``NEAR_TIE``), so a winner that runs
+    above another candidate's trial time by more than the margin lost to it by more
+    than the trial could resolve: the two are measured again, side by side."""
+    if not settled_s or not settled_s > 0 or report is None:
+        return None
+    candidates = report.get("candidates") or []
+    if not any(c.get("winner") for c in candidates):
+        return None
+    margin = max(near_tie, noise_tie * (report.get("noise") or 0.0))
+    rivals = [c for c in candidates if not c.get("winner") and c.get("measured_s")
+              and c["measured_s"] * (1.0 + margin) < settled_s]
+    return min(rivals, key=lambda c: c["measured_s"]) if rivals else None
 
 
 def summary_of(report):
