@@ -1548,7 +1548,10 @@ def trial_line(hook):
         cost = (f" The trial ran {trial.get('steps')} steps, lead included; against running "
                 f"its winner throughout they cost {trial['excess_steps']:.1f} steps of the "
                 f"winner (`excess_steps`).")
-    return (f"Default's selection trial (steps {trial.get('start_step')}-"
+    # (a later trial says why it ran: "periodic", or "regret", the winner's second look)
+    why = trial.get("reason")
+    kind = f"{why} " if why in ("periodic", "regret", "layout") else ""
+    return (f"Default's {kind}selection trial (steps {trial.get('start_step')}-"
             f"{trial.get('decided_at')}, predicted/measured ms per step, winner in bold): "
             + ", ".join(parts) + "." + cost)
 

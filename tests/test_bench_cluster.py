@@ -207,6 +207,11 @@ def test_render_reports_the_defaults_targets_and_errors_per_strategy():
            "untimed warm-up steps, 2 plan(s) in its history]" in text
     assert "Default's selection trial (steps 5-21, predicted/measured ms per step, winner in " \
            "bold): model (2 groups, 1 dense) 400/610, **single (1 groups) 450/500**.\n" in text
+    # a later trial says why it ran (a first trial does not)
+    r = _with_default()
+    r["variants"]["default"]["hook"]["selection"]["last_trial"]["reason"] = "regret"
+    r["analysis"] = bench.analyse(r)
+    assert "Default's regret selection trial (steps 5-21" in bench.render_tables([r], "b.png")
     # a trial that reports its steps and what they cost against its winner
     r = _with_default()
     r["variants"]["default"]["hook"]["selection"]["last_trial"].update(
