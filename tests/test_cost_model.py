@@ -150,6 +150,11 @@ BAD_INSTANCES = [
     (("dense",), {"alpha_s": -1.0, "beta_s_per_byte": 0.0}, "dense.alpha_s"),
     (("dense",), {"alpha_s": 1.0}, "dense.beta_s_per_byte"),
     (("densty",), {"alpha_s": 1.0, "beta_s_per_byte": 0.0}, "densty"),
+    # integers no float holds (10**400 written out in JSON): an OverflowError before
+    (("comm", "alpha_s"), 10**400, "comm.alpha_s"),
+    (("world_size",), 10**400, "world_size"),
+    (("layers", 0, "numel"), 2**1024, "layers[0].numel"),
+    (("min_sparse_numel",), 2**1024, "min_sparse_numel"),
 ]
 
 

@@ -125,30 +125,6 @@ def _parse_json(text: str, source: str):
         raise _UsageError(f"{source}: invalid JSON: {error}") from None
 
 
-def _huge_integer(data, where=""):
-    """``(field, value)`` of the first integer no float holds (``10**400`` written out,
-    an OverflowError deep in the planner), the field as ``layers[1].backward_s``; or None."""
-    if isinstance(data, bool):
-        return None
-    if isinstance(data, int):
-        try:
-            float(data)
-        except OverflowError:
-            return where or "input", data
-        return None
-    if isinstance(data, dict):
-        items = ((f"{where}.{key}" if where else str(key), value) for key, value in data.items())
-    elif isinstance(data, list):
-        items = ((f"{where}[{i}]", value) for i, value in enumerate(data))
-    else:
-        return None
-    for field, value in items:
-        found = _huge_integer(value, field)
-        if found is not None:
-            return found
-    return None
-
-
 def _plan_one(data, strategy: str, where: str) -> dict:
     """Plan one instance; ``where`` prefixes field names in errors ("" or "[3].")."""
     if not isinstance(data, dict):
@@ -156,11 +132,6 @@ def _plan_one(data, strategy: str, where: str) -> dict:
         raise _UsageError(
             f"{where.rstrip('.') or 'input'}: an instance must be a JSON object, got {kind}"
         )
-    huge = _huge_integer(data)
-    if huge is not None:
-        field, value = huge
-        raise _UsageError(f"{where}{field}: must be a finite number, got an integer of "
-                          f"{value.bit_length()} bits")
     try:
         inst = Instance.from_dict(data)
     except InstanceError as error:

@@ -158,7 +158,10 @@ def _number(value, field: str, *, positive: bool = False, signed: bool = False) 
     if type(value) is not float and type(value) is not int and (
             isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise InstanceError(field, f"must be a number, got {_describe(value)}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer no float holds (10**400 written out in JSON)
+        raise InstanceError(field, _unrepresentable(value)) from None
     if not math.isfinite(value):
         raise InstanceError(field, f"must be finite, got {value!r}")
     if positive and value <= 0:
@@ -168,19 +171,31 @@ def _number(value, field: str, *, positive: bool = False, signed: bool = False) 
     return value
 
 
+#: integers from here on have no float: the planner's arithmetic on them overflows
+_FLOAT_INT_LIMIT = 2 ** 1024
+
+
+def _unrepresentable(value) -> str:
+    return f"must be a finite number, got an integer of {int(value).bit_length()} bits"
+
+
 def _positive_int(value, field: str) -> int:
-    if type(value) is int and value > 0:  # the common case, without the ABC check
+    if type(value) is int and 0 < value < _FLOAT_INT_LIMIT:  # the common case, no ABC check
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise InstanceError(field, f"must be a positive integer, got {_describe(value)}")
+    if value >= _FLOAT_INT_LIMIT:
+        raise InstanceError(field, _unrepresentable(value))
     return int(value)
 
 
 def _non_negative_int(value, field: str) -> int:
-    if type(value) is int and value >= 0:
+    if type(value) is int and 0 <= value < _FLOAT_INT_LIMIT:
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise InstanceError(field, f"must be a non-negative integer, got {_describe(value)}")
+    if value >= _FLOAT_INT_LIMIT:
+        raise InstanceError(field, _unrepresentable(value))
     return int(value)
 
 
