@@ -93,7 +93,9 @@ REGRET_TRIAL = True
 RETRIAL_SHARE = 0.03
 #: a periodic re-plan runs a later trial of the full candidate set (within the budget
 #: above) when the step's compute - forward, backward and tail, as the model's inputs
-#: measure them - has moved by more than this factor since the last trial started: a
+#: measure them - has moved by more than this factor since the last trial was planned
+#: (for the first trial, and a new layout's, since the first periodic re-plan after it:
+#: those were planned from the dense warm-up, whose backward is slower) - a
 #: larger batch or another sequence length leaves the trial's measurements stale even
 #: where the model's own plan stays the same (measured: 8 Linear layers of 256, batch
 #: 32 -> 512 at step 120; the trial's winner then ran 46-55 ms per step where the
@@ -446,6 +448,14 @@ def _own_candidates(inst, strategy, model_plan, exchange):
                   + [n for n in neighbours if len(n[1].groups) > len(sparse_opt.groups)])
     return [Candidate.from_plan(name, planner_mod.small_groups_dense(inst, plan), exchange)
             for name, plan in named]
+
+
+def tie_margin(noise, near_tie: float = NEAR_TIE, noise_tie: float = NOISE_TIE) -> float:
+    """The relative gap a trial cannot resolve: ``max(near_tie, noise_tie * noise)``
+    (``noise`` None: unknown, ``near_tie`` alone). Contenders closer than this to the best
+    are measured again (:class:`Trial`); a winner that runs slower than another candidate
+    by more than this once settled is tried again (:func:`regret_rival`)."""
+    return max(near_tie, noise_tie * (noise or 0.0))
 
 
 def _median(values):
@@ -873,7 +883,7 @@ class Trial:
                 noises = [x for x in (statistics.median(spreads) if spreads else None,
                                       self.turn_noise()) if x is not None]
                 self.noise = max(noises) if noises else None
-                tie = max(self.near_tie, self.noise_tie * (self.noise or 0.0))
+                tie = tie_margin(self.noise, self.near_tie, self.noise_tie)
                 tied = [i for i in ranked if times[i] <= times[best] * (1.0 + tie)]
                 tied = tied[:self.max_remeasure]
                 if len(tied) > 1:
@@ -1060,7 +1070,7 @@ def regret_rival(report, settled_s, near_tie: float = NEAR_TIE,
     candidates = report.get("candidates") or []
     if not any(c.get("winner") for c in candidates):
         return None
-    margin = max(near_tie, noise_tie * (report.get("noise") or 0.0))
+    margin = tie_margin(report.get("noise"), near_tie, noise_tie)
     rivals = [c for c in candidates if not c.get("winner") and c.get("measured_s")
               and c["measured_s"] * (1.0 + margin) < settled_s]
     return min(rivals, key=lambda c: c["measured_s"]) if rivals else None
