@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from omgs_hook import plan_selection
 from omgs_hook.plan_selection import regret_rival
+from test_hook_selection import trials_in
 
 
 def report(winner_s, others, noise=None):
@@ -55,53 +55,57 @@ def test_no_winner_or_no_report_gives_none():
 
 
 # ------------------------------------------------------------------ under real DDP
-def regret_worker(rank, world_size, slow_after_trial, steps, ckpt_dir=None, save_at=None):
-    """Fake clocks (test_hook_selection's), fixed model inputs; with ``slow_after_trial``
-    the first trial's winner costs 40 ms more per step once that trial is over (as a
-    plan can run slower in the steady state than in its trial's short turns).
-    ``save_at``: checkpoint after that step, run on, then resume from it and run again."""
-    from test_hook_selection import build, fake_cost
+def _slow_winner_clock(state, rank, slow):
+    """test_hook_selection's FakeClock; with ``slow`` the first trial's winner costs 40 ms
+    more per step once that trial is over (as a plan can run slower in the steady state
+    than in its trial's short turns)."""
+    from test_hook_selection import FakeClock, fake_cost
+
+    class SlowWinnerClock(FakeClock):
+        winner = None  # the first trial's winner, once it is decided
+
+        def __call__(self):
+            plan = self.state.plan
+            if self.winner is None and self.state._last_trial is not None:
+                self.winner = self.state._last_trial["winner"]
+            extra = 0.04 if slow and plan is not None and plan.strategy == self.winner else 0.0
+            self.now += self.rate * (fake_cost(self.rank, plan) + extra)
+            return self.now
+
+    return SlowWinnerClock(state, rank)
+
+
+def regret_worker(rank, world_size, slow_after_trial, steps, ckpt_dir=None,
+                  save_after_winner=None):
+    """Fake clocks (:func:`_slow_winner_clock`), fixed model inputs. ``save_after_winner``:
+    checkpoint that many steps after the first trial's winner went into use, run on,
+    then resume from it and run again."""
+    from test_hook_selection import build
     from test_hook_ddp import _train_planner_settled
 
-    def run(resume_from=None, until=steps):
+    def save_due(state, step):
+        winners = [h["step"] for h in state._plan_history if h["reason"] == "trial winner"]
+        return bool(winners) and step == winners[0] + save_after_winner
+
+    def run(resume_from=None):
         model, ddp, state, opt = build(rank, fake_inputs=True)
-        first_winner = []
-
-        def clock_cost():
-            plan = state.plan
-            cost = fake_cost(rank, plan)
-            if not first_winner and state._last_trial is not None:
-                first_winner.append(state._last_trial["winner"])
-            if (slow_after_trial and first_winner and plan is not None
-                    and plan.strategy == first_winner[0]):
-                cost += 0.04
-            return cost
-
-        class Clock:
-            now, rate = 1e5 * rank, 1.0 + 0.5 * rank
-
-            def __call__(self):
-                self.now += self.rate * clock_cost()
-                return self.now
-
-        state._clock = Clock()
-        start = 0
+        state._clock = _slow_winner_clock(state, rank, slow_after_trial)
+        start, saved = 0, None
         if resume_from is not None:
             ckpt = torch.load(resume_from, weights_only=False)
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["opt"])
             state.load_state_dict(ckpt["hook"])
-            first_winner.append(ckpt["first_winner"])
-            state._clock.now = ckpt["clock"]
-            start = save_at
-        saved = None
-        for step in range(start, until):
+            state._clock.winner, state._clock.now = ckpt["winner"], ckpt["clock"]
+            start = ckpt["step"]
+        for step in range(start, steps):
             _train_planner_settled(ddp, opt, state, step, step + 1, rank)
-            if save_at is not None and resume_from is None and step + 1 == save_at:
-                saved = os.path.join(ckpt_dir, f"rank{rank}.pt")
+            if (save_after_winner is not None and resume_from is None and saved is None
+                    and save_due(state, step + 1)):
+                saved = (os.path.join(ckpt_dir, f"rank{rank}.pt"), step + 1)
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                            "hook": state.state_dict(), "first_winner": first_winner[0],
-                            "clock": state._clock.now}, saved)
+                            "hook": state.state_dict(), "winner": state._clock.winner,
+                            "clock": state._clock.now, "step": step + 1}, saved[0])
         stats = state.stats()
         stats["summary_text"] = state.summary()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -113,17 +117,11 @@ def regret_worker(rank, world_size, slow_after_trial, steps, ckpt_dir=None, save
     stats, params, saved = run()
     out = {"stats": stats}
     if saved is not None:
-        resumed_stats, resumed_params, _ = run(resume_from=saved)
+        resumed_stats, resumed_params, _ = run(resume_from=saved[0])
+        out["saved_at"] = saved[1]
         out["resumed_history"] = resumed_stats["plan_history"]
         out["identical"] = all(torch.equal(params[n], resumed_params[n]) for n in params)
     return out
-
-
-def trials_of(history):
-    """``(first step, [names])`` of each trial in a plan history."""
-    from test_hook_selection import trials_in
-
-    return trials_in(history)
 
 
 @pytest.mark.multiprocess
@@ -136,7 +134,7 @@ def test_a_winner_that_runs_slower_once_settled_is_tried_again_against_its_rival
     stats = [r["stats"] for r in results]
     assert stats[0]["plan_history"] == stats[1]["plan_history"]
     assert stats[0]["selection"]["last_trial"] == stats[1]["selection"]["last_trial"]
-    trials = trials_of(stats[0]["plan_history"])
+    trials = trials_in(stats[0]["plan_history"])
     assert len(trials) == 2, trials  # the first trial, then once more: never a third
     first_names = trials[0][1]
     winners = [h for h in stats[0]["plan_history"] if h["reason"] == "trial winner"]
@@ -164,29 +162,29 @@ def test_a_winner_that_runs_as_measured_is_kept_without_a_second_trial():
                         slow_after_trial=False, steps=110)
     for r in results:
         history = r["stats"]["plan_history"]
-        assert len(trials_of(history)) == 1, trials_of(history)
+        assert len(trials_in(history)) == 1, trials_in(history)
         assert r["stats"]["total"]["trials"] == 1
         assert "a second trial" not in r["stats"]["summary_text"]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(300)
 def test_a_checkpoint_before_the_settled_check_resumes_into_the_same_second_trial(tmp_path):
     """The settled check (and the trial layout it needs) comes back with the state: a run
     resumed a few steps after the first trial's winner started the same second trial, at
     the same step, and ends bit-identical."""
     from ddp_harness import run_ranks
 
-    results = run_ranks("test_regret_trial", "regret_worker", world_size=2, timeout=380,
-                        slow_after_trial=True, steps=130, ckpt_dir=str(tmp_path), save_at=None)
-    winner_step = [h for h in results[0]["stats"]["plan_history"]
-                   if h["reason"] == "trial winner"][0]["step"]
-    results = run_ranks("test_regret_trial", "regret_worker", world_size=2, timeout=380,
+    results = run_ranks("test_regret_trial", "regret_worker", world_size=2, timeout=280,
                         slow_after_trial=True, steps=130, ckpt_dir=str(tmp_path),
-                        save_at=winner_step + 5)
+                        save_after_winner=5)
     for r in results:
-        trials = trials_of(r["resumed_history"])
-        assert len(trials_of(r["stats"]["plan_history"])) == 2
-        assert [t for t in trials if t[0] > winner_step + 5] == \
-            [t for t in trials_of(r["stats"]["plan_history"]) if t[0] > winner_step + 5]
+        winner_step = [h for h in r["stats"]["plan_history"]
+                       if h["reason"] == "trial winner"][0]["step"]
+        saved_at = r["saved_at"]
+        assert saved_at == winner_step + 5
+        uninterrupted = trials_in(r["stats"]["plan_history"])
+        assert len(uninterrupted) == 2
+        assert [t for t in trials_in(r["resumed_history"]) if t[0] > saved_at] == \
+            [t for t in uninterrupted if t[0] > saved_at]
         assert r["identical"]
