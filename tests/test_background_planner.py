@@ -513,3 +513,32 @@ def test_a_planner_dropped_without_close_ends_its_process(jobs_importable):
     while _our_threads("bp-dropped") and __import__("time").monotonic() < deadline:
         __import__("time").sleep(0.01)
     assert not _our_threads("bp-dropped")
+
+
+@pytest.mark.parametrize("polled", [True, False], ids=["polled", "result-unpolled"])
+def test_a_dropped_planner_is_freed_by_reference_counting_and_ends_its_thread(polled):
+    # a finished job waits in the planner until poll() hands it out; it must not hold
+    # its planner back, or the pair is a cycle that only the cycle collector frees
+    import gc
+    import weakref
+
+    planner = BackgroundPlanner(name="bp-refcount")
+    planner.submit(int, 7, apply_at_step=5)
+    (thread,) = _our_threads("bp-refcount")
+    if polled:
+        assert planner.poll(5) == 7
+    else:
+        deadline = time.monotonic() + WAIT
+        while planner._job is not None and not planner._job.done.is_set() \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert planner.pending and planner.ready
+    gone = weakref.ref(planner)
+    gc.disable()
+    try:
+        del planner
+        assert gone() is None
+    finally:
+        gc.enable()
+    thread.join(timeout=WAIT)
+    assert not thread.is_alive()

@@ -214,6 +214,46 @@ def test_training_on_after_close_fails_at_once_and_says_why():
         assert message is not None and "was closed" in message, message
 
 
+def freed_worker(rank, world_size, options):
+    """Train a few steps (a trial included with the default options), drop the model,
+    the state and the optimizer with the cycle collector off: reference counting alone
+    must free the state and so stop its planner thread."""
+    import threading
+    import weakref
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=0.05, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train_steps(ddp, opt, 0, 12, rank)
+    planner_threads = [t for t in threading.enumerate() if t.name.startswith("omgs-planner")]
+    gone = weakref.ref(state)
+    gc.collect()
+    gc.disable()
+    try:
+        del ddp, state, model, opt
+        freed = gone() is None
+    finally:
+        gc.enable()
+    for thread in planner_threads:
+        thread.join(timeout=10)
+    return freed, len(planner_threads), sum(t.is_alive() for t in planner_threads)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("options", [{}, {"select": "model", "warmup_steps": 1}],
+                         ids=["default", "model"])
+def test_a_dropped_state_is_freed_without_the_cycle_collector(options):
+    # a sweep that builds models in one process would otherwise keep a planner thread
+    # (and the state's buffers) per model until Python's cycle collector ran
+    for freed, threads, alive in run_ranks("test_hook_extras", "freed_worker", world_size=2,
+                                           timeout=120, options=options):
+        assert threads >= 1  # the planner thread existed, so its stopping is checked
+        assert freed, "the state sits in a reference cycle"
+        assert alive == 0
+
+
 def test_bad_extra_options_name_the_option():
     with pytest.raises(ValueError, match="local_clip_norm"):
         omgs_hook.OMGSState(local_clip_norm=-1.0, module=torch.nn.Linear(2, 2))

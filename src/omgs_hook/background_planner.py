@@ -126,8 +126,13 @@ class _Job:
         self.compute_s = compute_s
         # drop the references to the inputs (an instance can be large)
         self.fn = self.args = self.kwargs = None
-        if self.owner is not None:
-            self.owner._finished(self)
+        # the planner holds its pending job until poll() hands the result out: a job
+        # that kept its planner would make the pair a reference cycle, and a planner
+        # dropped with a result unpolled would keep its thread until Python's cycle
+        # collector ran
+        owner, self.owner = self.owner, None
+        if owner is not None:
+            owner._finished(self)
         self.done.set()
 
 

@@ -198,11 +198,11 @@ class CopiedState:
         return "CopiedState()"
 
 
-class _ModuleHook:
-    """A hook the state puts on the user's module (and the optimizer step hook). It
-    holds the state weakly, and a deep copy or a pickle of it is a no-op: a copy of the
-    module (an EMA model, ``torch.save(model)``) is not the DDP model, and the state
-    itself cannot be copied (its process group cannot be pickled)."""
+class _WeakCallback:
+    """A bound method of the state, held weakly: a callback the state hands to an object
+    it owns itself (the step's exchange) would otherwise close a reference cycle, and
+    the state - with its planner thread - would outlive its DDP model until Python's
+    cycle collector happened to run. Calling it once the state is gone does nothing."""
 
     def __init__(self, method):
         self._method = weakref.WeakMethod(method)
@@ -210,6 +210,13 @@ class _ModuleHook:
     def __call__(self, *args):
         method = self._method()
         return None if method is None else method(*args)
+
+
+class _ModuleHook(_WeakCallback):
+    """A hook the state puts on the user's module (and the optimizer step hook). It
+    holds the state weakly, and a deep copy or a pickle of it is a no-op: a copy of the
+    module (an EMA model, ``torch.save(model)``) is not the DDP model, and the state
+    itself cannot be copied (its process group cannot be pickled)."""
 
     def __deepcopy__(self, memo):
         return _no_hook
@@ -1396,7 +1403,7 @@ class OMGSState:
         self._exchange = StepExchange(
             self.memory, self._selector, self.process_group, self.world_size,
             self.density_at(self.step),
-            on_finished=self._on_step_finished,
+            on_finished=_WeakCallback(self._on_step_finished),
             on_comm_sample=self._fitter.add if self._fitter is not None else None,
             # "raise": the step completes as a skipped one (NaN gradients, residuals
             # kept) and FloatingPointError is raised once DDP has finished its own
