@@ -115,8 +115,9 @@ class StepExchange:
         self.arrived = {}  # key -> (bucket index, flat gradient view)
         self.sent = set()  # keys already assigned to an issued group
         # Parameters without a .grad at hook time were unused by this rank's forward
-        # (find_unused_parameters). If no rank used them, DDP discards whatever the hook
-        # writes for them, so their residual must neither be sent nor reset: it is parked.
+        # (find_unused_parameters), as are those add_bucket's ``used`` shows unused with
+        # a zero .grad. If no rank used them, DDP discards whatever the hook writes for
+        # them, so their residual must neither be sent nor reset: it is parked.
         self.parked = set()
         self.records = []
         self.nonfinite = False
@@ -149,8 +150,13 @@ class StepExchange:
         self.waited_s = 0.0  # seconds write_back_completed waited for collectives
 
     # -- arrival ------------------------------------------------------------------
-    def add_bucket(self, bucket, keys, params):
-        """Register bucket ``bucket`` (DDP GradBucket): its ``params`` have ``keys``."""
+    def add_bucket(self, bucket, keys, params, used=None):
+        """Register bucket ``bucket`` (DDP GradBucket): its ``params`` have ``keys``.
+
+        ``used``: the keys whose gradient this rank's backward computed since the last
+        synchronised step, where that is tracked (DDP's ``find_unused_parameters``):
+        a parameter outside it whose gradient is all zeros is parked too, as one without
+        a ``.grad`` is."""
         index = len(self.layout)
         self.arrival_wall.append(time.perf_counter())
         grads = bucket.gradients()
@@ -166,7 +172,11 @@ class StepExchange:
         self.layout.append(tuple(keys))
         for key, grad, param in zip(keys, grads, params):
             self.arrived[key] = (index, grad.view(-1), _offset_in(grad, buffer))
-            if param.grad is None:
+            if param.grad is None or (used is not None and key not in used
+                                      and not bool(grad.any())):
+                # unused here: no .grad (zero_grad(set_to_none=True)), or a .grad that
+                # zero_grad(set_to_none=False) left at zero. The zero test is the guard:
+                # a gradient that holds anything is sent as any other
                 self.parked.add(key)
         future = torch.futures.Future()
         with self._lock:
@@ -220,7 +230,7 @@ class StepExchange:
                 key in self.parked or self.memory.get(key) is None for key in keys):
             self._send_dense_inplace(keys, numel, bucket_index)
         elif dense:
-            self._send_dense(keys, numel)
+            self._send_dense(keys, numel, bucket_index)
         else:
             self._send_sparse(keys, numel)
 
@@ -333,7 +343,7 @@ class StepExchange:
         self._issue(lambda: communicator.allreduce_async(buffer, self.process_group),
                     lambda: self._finish_dense(keys, buffer, segments=None), record)
 
-    def _send_dense(self, keys, numel):
+    def _send_dense(self, keys, numel, bucket_index=None):
         started = time.perf_counter()
         with _range("assemble", len(self.records)):
             buffers, segments = self._accumulate(keys, numel)
@@ -346,6 +356,19 @@ class StepExchange:
         # depends on its own residuals (a two-level shard, a parked parameter), and the
         # ranks' contributions must add up to the average either way
         acc.div_(self.world_size)
+        if bucket_index is not None:
+            # exactly one bucket: another rank may send it in place (it has no residual
+            # here), so this rank must send the same tensor - the bucket buffer, in the
+            # bucket's dtype; an fp32 copy of a bf16, fp16 or fp64 bucket would be a
+            # collective of another size, which gloo aborts on and NCCL mis-reduces
+            buffer = self._buffers[bucket_index]
+            for g_off, n, grad in segments:
+                grad.copy_(acc[g_off:g_off + n])
+            record = GroupRecord(keys, True, numel, numel, numel * buffer.element_size(),
+                                 started)
+            self._issue(lambda: communicator.allreduce_async(buffer, self.process_group),
+                        lambda: self._finish_dense(keys, buffer, segments=None), record)
+            return
         record = GroupRecord(keys, True, numel, numel, 4 * numel, started)
         self._issue(lambda: communicator.allreduce_async(acc, self.process_group),
                     lambda: self._finish_dense(keys, acc, segments=segments), record)

@@ -212,6 +212,21 @@ class _WeakCallback:
         return None if method is None else method(*args)
 
 
+class _MarkUsed:
+    """A parameter's gradient hook: notes that this rank's backward computed its
+    gradient (the hook state's ``_used_keys``). Holds the set, not the state; a model
+    saved with ``torch.save`` drops it without a warning."""
+
+    __torch_unserializable__ = True
+
+    def __init__(self, used, key):
+        self._used = used
+        self._key = key
+
+    def __call__(self, grad):
+        self._used.add(self._key)
+
+
 class _ModuleHook(_WeakCallback):
     """A hook the state puts on the user's module (and the optimizer step hook). It
     holds the state weakly, and a deep copy or a pickle of it is a no-op: a copy of the
@@ -858,6 +873,9 @@ class OMGSState:
                         "sparse_group_elements": 0, "sparse_group_selected": 0,
                         "inter_node_bytes": 0, "intra_node_bytes": 0, "rewound_steps": 0}
         self._hooks = []
+        # keys whose gradient this rank computed since the last synchronised step, where
+        # track_local_use() installed the hooks that note them; None: not tracked
+        self._used_keys = None
         # per step (see _start_group_tracking): the plan's key -> group map, and how many
         # parameters of each group have not arrived (0: the group is sent)
         self._group_of = (None, {})
@@ -1222,7 +1240,10 @@ class OMGSState:
             keys = [self._key(p) for p in params]
             for key, param in zip(keys, params):
                 self.memory.note_layout(key, param)
-            future = exchange.add_bucket(bucket, keys, params)
+            future = exchange.add_bucket(bucket, keys, params, used=self._used_keys)
+            if self._used_keys is not None and bucket.is_last():
+                # the marks of no_sync() steps count until here, as DDP's own do
+                self._used_keys.clear()
             # the two-level stages waited for here are the groups' own work (their
             # reduce-scatter is on the model's compute stream), not this bucket's backward
             self.meter.sends_started(arrived)
@@ -2955,6 +2976,24 @@ class OMGSState:
         return {"kind": self.topology.kind, "nodes": self.topology.nodes,
                 "ranks_per_node": self.topology.ranks_per_node}
 
+    def track_local_use(self):
+        """Note which parameters this rank's backward computes a gradient for, so that a
+        parameter it left unused is recognised with ``zero_grad(set_to_none=False)``
+        too: DDP with ``find_unused_parameters=True`` discards the result for a
+        parameter no rank used, so the hook must not send its residual (it "parks" it).
+        Without this, only a parameter with no ``.grad`` at all counts as unused.
+        :func:`register` calls it for a DDP model with ``find_unused_parameters=True``;
+        with ``register_comm_hook`` call it yourself in that case (it needs ``module``).
+        Costs one Python call per parameter gradient per backward pass."""
+        if self.module is None:
+            raise ValueError("track_local_use needs the state's module (OMGSState(module=...))")
+        if self._used_keys is not None:
+            return
+        self._used_keys = set()
+        for name, param in self.module.named_parameters():
+            if param.requires_grad:
+                self._hooks.append(param.register_hook(_MarkUsed(self._used_keys, name)))
+
     def close(self):
         """Remove the forward hooks this state put on the module; stop the planner (its
         threads and its worker process). ``stats()``, ``summary()`` and ``state_dict()``
@@ -2999,6 +3038,8 @@ def register(ddp_model, **options):
         raise RuntimeError("omgs_hook.register: this DDP model already has the OMGS hook")
     options.setdefault("process_group", ddp_model.process_group)
     state = OMGSState(module=ddp_model.module, **options)
+    if getattr(ddp_model, "find_unused_parameters", False):
+        state.track_local_use()
     try:
         ddp_model.register_comm_hook(state, omgs_hook)
     except RuntimeError as exc:
