@@ -124,6 +124,33 @@ def test_polish_is_deterministic():
     assert planner._polish(inst, ps, plan) == planner._polish(inst, ps, plan)
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_pass_priced_at_once_is_its_windows_priced_in_turn(dense):
+    """_best_move (every window of a pass at once) returns what _best_recover returns
+    last when the windows are priced in turn, each against the best time so far: the
+    same move, ties going to the first window and choice (identical units make ties)."""
+    rng = np.random.default_rng(11 if dense else 12)
+    for trial in range(60):
+        inst = random_instance(rng, int(rng.integers(1, 30)), dense)
+        if trial % 3 == 0:  # identical units: many moves of the same time
+            inst = dataclasses.replace(inst, layers=(inst.layers[0],) * inst.num_units)
+        ps = planner._prefix_sums(inst)
+        bounds, modes = _random_plan(rng, inst)
+        heads_tails = planner._heads_and_tails(inst, ps, bounds, modes)
+        windows = [(j, width) for j in range(len(bounds))
+                   for width in range(1, min(planner._POLISH_WINDOW, len(bounds) - j) + 1)]
+        value, _ = planner._comm_end(inst, ps, bounds, tuple(modes))
+        for below in (value, value * 0.999, math.inf):
+            move, bar = None, below
+            for j, width in windows:
+                found = planner._best_recover(inst, ps, bounds, modes, j, width,
+                                              heads_tails, bar)
+                if found is not None:
+                    move, bar = found, found[0]
+            assert planner._best_move(inst, ps, bounds, modes, windows, heads_tails,
+                                      below) == move
+
+
 def test_polish_stops_at_its_window_budget(monkeypatch):
     """The number of windows priced is the bound (what keeps the polish's time small on
     plans of hundreds of groups): one window, at most one move."""
@@ -134,13 +161,13 @@ def test_polish_stops_at_its_window_budget(monkeypatch):
     start = (tuple(range(1, 41)), (False,) * 40)  # layerwise: many merges pay
     full = planner._polish(inst, ps, start)
     calls = []
-    recover = planner._best_recover
+    move = planner._best_move
 
     def counting(*args):
-        calls.append(args[4:6])
-        return recover(*args)
+        calls.extend(args[4])  # the windows priced
+        return move(*args)
 
-    monkeypatch.setattr(planner, "_best_recover", counting)
+    monkeypatch.setattr(planner, "_best_move", counting)
     monkeypatch.setattr(planner, "_POLISH_WINDOWS", 1)
     once = planner._polish(inst, ps, start)
     assert len(calls) == 1
@@ -162,17 +189,17 @@ def test_polish_time_is_bounded_on_a_plan_of_many_groups():
     bounds = tuple(int(b) for b in np.linspace(0, 1000, 401)[1:].round())
     start = (bounds, (False,) * 400)
     calls = []
-    recover = planner._best_recover
+    move = planner._best_move
 
     def counting(*args):
-        calls.append(1)
-        return recover(*args)
+        calls.extend(args[4])  # the windows priced
+        return move(*args)
 
-    planner._best_recover = counting
+    planner._best_move = counting
     try:
         result = planner._polish(inst, ps, start)
     finally:
-        planner._best_recover = recover
+        planner._best_move = move
     assert len(calls) == planner._POLISH_WINDOWS
     assert _time(inst, *result) < _time(inst, *start)
 
