@@ -481,6 +481,38 @@ def test_forward_search_joined_to_a_stopped_backward_search_is_exact(dense, c2):
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_a_joined_forward_turn_that_stops_early_returns_what_the_full_turn_does(
+        dense, monkeypatch):
+    """A joined exact forward turn gives up as soon as its budget must run out before its
+    last target (the live set only grows until the next prune): with every budget up to
+    what it needs, it returns None exactly where the turn run to the end of its budget
+    does, and the same plan where that finishes."""
+    rng = np.random.default_rng(131 + dense)
+    stopped = finished = early_stops = 0
+    for _ in range(12):
+        inst = random_instance(rng, int(rng.integers(20, 60)), dense=dense)
+        full = planner._SuffixSearch(inst, math.inf)
+        full.solve()
+        backward = planner._SuffixSearch(inst, math.inf, budget=max(1, full.examined // 3))
+        if backward.solve() is not None:
+            continue
+        need = planner._FrontierSearch(inst, suffix=backward)
+        assert need.solve() is not None
+        budgets = sorted(set(np.geomspace(1, 2 * inst.num_units * 64, 40).astype(int)))
+        for budget in budgets:
+            early = planner._FrontierSearch(inst, budget=int(budget), suffix=backward)
+            monkeypatch.setattr(planner._FrontierSearch, "_STOP_EARLY", False)
+            late = planner._FrontierSearch(inst, budget=int(budget), suffix=backward)
+            expected = late.solve()
+            monkeypatch.setattr(planner._FrontierSearch, "_STOP_EARLY", True)
+            assert early.solve() == expected
+            stopped += expected is None
+            finished += expected is not None
+            early_stops += early.stopped_early
+    assert stopped >= 100 and finished >= 50 and early_stops >= 100
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 @pytest.mark.parametrize("c2", ["zero", "positive"])
 def test_backward_search_joined_to_exact_prefix_fronts_is_exact(dense, c2):
     """A first forward turn that ran out of budget (and went on as a beam) leaves the

@@ -1245,6 +1245,9 @@ class _FrontierSearch:
     """
 
     _PRUNE_EVERY = 8
+    # A joined exact turn returns None as soon as its budget will certainly run out
+    # before its last target (see solve); False: only once it has (the tests compare).
+    _STOP_EARLY = True
 
     def __init__(
         self,
@@ -1264,6 +1267,7 @@ class _FrontierSearch:
         self.inst = inst
         self.suffix = suffix
         self.used_join = False  # whether the plan found is a joined one
+        self.stopped_early = False  # whether it gave up before its budget ran out
         self.beam = beam
         self.beam_live = beam_live or _BEAM_LIVE
         self.then_beam = then_beam
@@ -1423,6 +1427,10 @@ class _FrontierSearch:
         examined = 0
         self.chains = (first_ids, parents, modes)
         record_fronts = self.exact and not self.fixed and join_from == math.inf
+        # a joined exact turn (no beam to go on with) may stop as soon as its budget
+        # will certainly run out (below)
+        stops_early = (self._STOP_EARLY and self.then_beam is None and beam is None
+                       and not self.fixed and join_from < math.inf and budget < math.inf)
         if record_fronts:
             self.exact_fronts[0] = (np.zeros(1), np.zeros(1), 0)  # the empty prefix
 
@@ -1469,6 +1477,15 @@ class _FrontierSearch:
                     # the same beam, with fewer numpy calls per target (_dense_beam)
                     return self._dense_beam(t, beam, limit, states, ids, live, first_ids,
                                             parents, modes, next_id, since_prune)
+            elif stops_early and since_prune < self._PRUNE_EVERY - 1:
+                # until the next prune the live set only grows, so each of the next
+                # targets examines at least `size` candidates: if they overrun the budget
+                # before the last target, this turn ends as it would there (it keeps
+                # nothing that outlives it)
+                overrun = (budget - examined) // size + 1
+                if overrun < self._PRUNE_EVERY - since_prune and t + overrun <= last_target:
+                    self.stopped_early = True
+                    return None
 
             if join_from < t < last_target:
                 # every plan whose first boundary after join_from is t: this candidate,
