@@ -1495,7 +1495,7 @@ class _FrontierSearch:
                 if front is not None:
                     front_y, front_g, front_ids = front
                     value, pick = _join_values(front_y, front_g, front_y.size, cand_c, cand_e)
-                    i = int(np.argmin(value))
+                    i = int(value.argmin())
                     if value[i] < best_join:  # (the first target and candidate win ties)
                         best_join = float(value[i])
                         j = int(pick[i])
@@ -1520,7 +1520,7 @@ class _FrontierSearch:
             elif np.count_nonzero(viable) == size:  # (ndarray.all() is slower on tiny arrays)
                 pool = None
             else:
-                pool = np.flatnonzero(viable)
+                pool = viable.nonzero()[0]
                 cand_c, cand_e = cand_c[pool], cand_e[pool]
                 size = pool.size
 
@@ -1549,7 +1549,8 @@ class _FrontierSearch:
                 # (their bounds are among the candidates' - with a dense cost; without
                 # one the lean selection above chose already)
                 bound = candidate_bound[chosen]
-                best = np.sort(bound.argsort(kind="stable")[:beam])
+                best = bound.argsort(kind="stable")[:beam]
+                best.sort()
                 chosen, new_c, new_e = chosen[best], new_c[best], new_e[best]
             count = chosen.size
             if beam is not None:
@@ -1691,7 +1692,7 @@ class _FrontierSearch:
             pool = None
             pool_c, pool_e = cand_c, cand_e
             if largest(candidate_bound) > limit:  # (else every candidate is viable)
-                pool = np.flatnonzero(candidate_bound <= limit)
+                pool = (candidate_bound <= limit).nonzero()[0]
                 pool_c, pool_e = cand_c[pool], cand_e[pool]
                 size = pool.size
             if size > _PREFILTER_SIZE:
@@ -1721,7 +1722,8 @@ class _FrontierSearch:
                 chosen = pool[chosen]  # back to candidate numbers
             if chosen.size > beam:
                 # keep the most promising states, still sorted by c
-                best = np.sort(candidate_bound[chosen].argsort(kind="stable")[:beam])
+                best = candidate_bound[chosen].argsort(kind="stable")[:beam]
+                best.sort()
                 chosen, new_c = chosen[best], new_c[best]
             new_e = cand_e[chosen]
             count = chosen.size
@@ -1777,10 +1779,11 @@ class _FrontierSearch:
         e, prefix_numel = states[1, :live], states[2, :live]
         images = cs if cd is None else cd  # the dense c' is the smaller one
         # columns are in prefix order, so the newest prefix's front is the last block
-        newest = int(np.searchsorted(prefix_numel, prefix_numel[-1]))
+        newest = int(prefix_numel.searchsorted(prefix_numel[-1]))
         # rule 2: a state with smaller c of the same prefix (the column before, if it has
         # the same prefix) dominates this one's image as soon as its e <= this one's c'
-        keep = np.ones(live, dtype=bool)
+        keep = np.empty(live, dtype=bool)
+        keep[0] = True
         np.logical_or(
             prefix_numel[1:] != prefix_numel[:-1], e[:-1] > images[1:], out=keep[1:]
         )
@@ -1860,7 +1863,8 @@ class _FrontierSearch:
                 )
                 dense_bound = self.lower_bound(t, cd, ed)
             np.minimum(bound, dense_bound, out=bound)
-        keep = np.sort(bound.argsort(kind="stable")[:self.beam_live])
+        keep = bound.argsort(kind="stable")[:self.beam_live]
+        keep.sort()
         states[:, :keep.size] = rows[:, keep]
         ids[:keep.size] = ids[:live][keep]
         return keep.size
@@ -1898,7 +1902,7 @@ def _join_values(front_y, front_g, size, c, e):
     the index of the suffix state that gives it. The optimum is where ``Ys - G`` crosses
     ``c - e``: the state at the crossing or the one before it (inf where there is none).
     """
-    cut = np.searchsorted(front_y - front_g, c - e)
+    cut = (front_y - front_g).searchsorted(c - e)
     last = size - 1
     above = e + front_y[np.minimum(cut, last)]
     above[cut > last] = math.inf
@@ -1920,8 +1924,8 @@ def _undominated(first, second):
     ``second[a] <= second[i]``, so removing ``i`` leaves that minimum as it was. The
     result is the same as without the test; only the sort is smaller.
     """
-    low = float(first.min())
-    high = float(first.max())
+    low = float(np.minimum.reduce(first))
+    high = float(np.maximum.reduce(first))
     if not high > low:
         return np.arange(first.size)
     buckets = max(64, first.size // 4)
@@ -1929,7 +1933,7 @@ def _undominated(first, second):
     lowest = np.full(buckets + 1, np.inf)
     np.minimum.at(lowest, index + 1, second)
     np.minimum.accumulate(lowest, out=lowest)  # lowest[b]: over the buckets below b
-    return np.flatnonzero(lowest[index] > second)
+    return (lowest[index] > second).nonzero()[0]
 
 
 def _pareto_front(first, second, order, tie):
@@ -1976,7 +1980,7 @@ def _dominated_by_later(images, e, newest):
     if 0 < newest < size:
         older = images[:newest]
         front = images[newest:]
-        best = np.searchsorted(front, older, side="right") - 1
+        best = front.searchsorted(older, side="right") - 1
         has = best >= 0
         best = best[has]
         dropped[:newest][has] |= (e[newest:][best] <= older[has]) & (front[best] <= older[has])
@@ -2269,7 +2273,7 @@ class _SuffixSearch:
                 ) <= limit
             else:
                 viable = cand_g <= limit
-            pool = np.flatnonzero(viable)
+            pool = viable.nonzero()[0]
             count = pool.size
             if count > _PREFILTER_SIZE:
                 kept = _undominated(cand_y[pool], cand_g[pool])
@@ -2293,7 +2297,7 @@ class _SuffixSearch:
                 pc, pe, first_id = exact_fronts[s]
                 if count and pc.size:
                     value, pick = _join_values(new_y, new_g, count, pc, pe)
-                    i = int(np.argmin(value))
+                    i = int(value.argmin())
                     if value[i] < best_join:  # (the first s and prefix state win ties)
                         best_join = float(value[i])
                         j = int(pick[i])
@@ -2313,8 +2317,9 @@ class _SuffixSearch:
                     # so a bound as valid as the first (one tie against rounding; the
                     # limit adds the ties this search may lose on the way)
                     pc, pe = known
-                    found = float(np.min(np.maximum(
-                        pe[:, None] + new_y[None, :], pc[:, None] + new_g[None, :]))) + tie
+                    found = float(np.minimum.reduce(np.maximum(
+                        pe[:, None] + new_y[None, :], pc[:, None] + new_g[None, :]),
+                        axis=None)) + tie
                     if found < self.best_found:
                         self.best_found = found
                         limit = min(limit, found + tie * (L + 2))
@@ -2457,11 +2462,11 @@ def _prefix_network_floor(inst: Instance, numel_prefix, backward_prefix, least_c
         for i, t in enumerate(rows.tolist()):
             e = np.maximum(source, compute[i])
             e += extra[i]
-            best = e.min()
+            best = np.minimum.reduce(e)
             if has_dense:
                 e = np.maximum(source, dense_compute[i])
                 e += dense_extra[i]
-                best = min(best, e.min())
+                best = min(best, np.minimum.reduce(e))
             floor[t] = best
     floor *= 1.0 - 1e-12
     return floor
@@ -2506,7 +2511,7 @@ def _least_topk_time(inst: Instance, numel_prefix) -> np.ndarray:
     c0, c2 = topk.c0, topk.c2
     for t in range(1, L + 1):
         D = numel_prefix[t] - numel_prefix[:t]
-        least[t] = np.min(least[:t] + c2 * D * np.log2(D)) + c0
+        least[t] = np.minimum.reduce(least[:t] + c2 * D * np.log2(D)) + c0
     least += topk.c1 * numel_prefix
     return least
 
