@@ -1745,12 +1745,13 @@ class _FrontierSearch:
                 live, keep = self._prune(states, ids, live, cs, cd, return_keep=True)
                 if live > self.beam_live:
                     dense_bound = candidate_bound[before:]
+                    sparse_c = cs
                     if keep is not None:
-                        dense_bound = dense_bound[keep]
-                    live = self._thin_beam(states, ids, live, t, dense_bound)
+                        dense_bound, sparse_c = dense_bound[keep], sparse_c[keep]
+                    live = self._thin_beam(states, ids, live, t, dense_bound, sparse_c)
             elif switched and live > self.beam_live:
                 switched = False  # an exact search just turned into a beam
-                live = self._thin_beam(states, ids, live, t, candidate_bound[live:])
+                live = self._thin_beam(states, ids, live, t, candidate_bound[live:], cs)
             if count == 0:  # every state of this prefix is beyond the bound
                 continue
             end = live + count
@@ -1838,20 +1839,24 @@ class _FrontierSearch:
         return (chosen, np.array([item[0] for item in front]),
                 np.array([item[2] for item in front]))
 
-    def _thin_beam(self, states, ids, live, t, dense_bound=None):
+    def _thin_beam(self, states, ids, live, t, dense_bound=None, sparse_c=None):
         """Beam mode only: keep the ``beam_live`` live states whose images at target
         ``t`` have the least lower bound (in prefix order); a heuristic, like the beam.
-        ``dense_bound``: the bounds of the live states' dense images at ``t`` where the
-        caller has them (the same values; :meth:`_dense_beam`)."""
+        ``dense_bound`` and ``sparse_c``: the bounds of the live states' dense images and
+        their sparse images' ``c`` at ``t``, where the caller has them (the same values,
+        by the same expressions; :meth:`_dense_beam`)."""
         inst = self.inst
         c0, c1, c2 = inst.topk.c0, inst.topk.c1, inst.topk.c2
         Dp_t = float(self.numel_prefix[t])
         Bp_t = float(self.backward_prefix[t])
         rows = states[:, :live]
         numel = Dp_t - rows[2]
-        c = rows[0] + (Bp_t + c0 + c1 * Dp_t)
-        if c2:
-            c += c2 * numel * np.log2(numel)
+        if sparse_c is not None:
+            c = sparse_c
+        else:
+            c = rows[0] + (Bp_t + c0 + c1 * Dp_t)
+            if c2:
+                c += c2 * numel * np.log2(numel)
         k = np.maximum(1.0, np.ceil(inst.density * numel))
         e = np.maximum(rows[1], c) + (inst.comm.alpha_s + _entry_time(inst) * k)
         bound = self.lower_bound(t, c, e)
@@ -1980,10 +1985,14 @@ def _dominated_by_later(images, e, newest):
     if 0 < newest < size:
         older = images[:newest]
         front = images[newest:]
-        best = front.searchsorted(older, side="right") - 1
-        has = best >= 0
-        best = best[has]
-        dropped[:newest][has] |= (e[newest:][best] <= older[has]) & (front[best] <= older[has])
+        best = front.searchsorted(older, side="right")
+        best -= 1
+        # where no c'_B <= c'_A, best is -1: front[0] > c'_A then, so (clipped to 0)
+        # the test below fails there as it should
+        np.maximum(best, 0, out=best)
+        found = e[newest:][best] <= older
+        found &= front[best] <= older
+        dropped[:newest] |= found
     return dropped
 
 
