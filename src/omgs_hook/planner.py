@@ -2224,11 +2224,18 @@ class _SuffixSearch:
         budget = self.budget if self.budget is not None else math.inf
 
         # live states, in order of creation (so by decreasing suffix start t; each
-        # front sorted by Ys): suffix start, Ys, G, id
-        T = np.array([L], np.int64)
-        YS = np.zeros(1)
-        G = np.zeros(1)
-        ID = np.zeros(1, np.int64)
+        # front sorted by Ys): suffix start, Ys, G, id, and the numel and backward
+        # prefix sums at the suffix start (Dp[T], Bp[T]); the first `live` entries of
+        # buffers that grow by doubling, so that a suffix start appends its front
+        # instead of copying every live state
+        buf_t = np.full(64, L, np.int64)
+        buf_y = np.zeros(64)
+        buf_g = np.zeros(64)
+        buf_id = np.zeros(64, np.int64)
+        buf_dp = np.full(64, Dp[L])
+        buf_bp = np.full(64, Bp[L])
+        buffers = [buf_t, buf_y, buf_g, buf_id, buf_dp, buf_bp]
+        live = 1
         # per id: the start of its suffix, its parent's id and its first group's mode
         starts: List[np.ndarray] = [np.array([L], np.int64)]
         parents: List[np.ndarray] = [np.array([-1], np.int64)]
@@ -2244,11 +2251,11 @@ class _SuffixSearch:
         joined = None  # (s, prefix state id, first group's end, its suffix id, dense)
 
         for s in range(L - 1, -1, -1):
-            live = T.size
             if live == 0:
                 break
-            D = Dp[T] - Dp[s]
-            Bg = Bp[T] - Bp[s]
+            T, YS, G, ID = buf_t[:live], buf_y[:live], buf_g[:live], buf_id[:live]
+            D = buf_dp[:live] - Dp[s]
+            Bg = buf_bp[:live] - Bp[s]
             xs = Bg + (c0 + c1 * D)
             if c2:
                 xs += c2 * D * np.log2(D)
@@ -2357,10 +2364,9 @@ class _SuffixSearch:
             if s % _RETIRE_EVERY:
                 # rules 2 and 3 are permanent, so they run every few suffix starts only
                 if count:
-                    T = np.concatenate((T, np.full(count, s, np.int64)))
-                    YS = np.concatenate((YS, new_y))
-                    G = np.concatenate((G, new_g))
-                    ID = np.concatenate((ID, ids))
+                    buffers = self._append(buffers, live, s, new_y, new_g, ids)
+                    buf_t, buf_y, buf_g, buf_id, buf_dp, buf_bp = buffers
+                    live += count
                 continue
             # rule 2: retire live states that can never again lead below the bound
             c_floor = self.prefix_compute_no_c0[s]
@@ -2380,11 +2386,15 @@ class _SuffixSearch:
                 y_min = np.minimum(ys, yd) if has_dense else ys
                 dominated = (T[1:] == T[:-1]) & (G[:-1] <= y_min[1:] + YS[1:])
                 alive[1:] &= ~dominated
-            if count or np.count_nonzero(alive) < live:
-                T = np.concatenate((T[alive], np.full(count, s, np.int64)))
-                YS = np.concatenate((YS[alive], new_y))
-                G = np.concatenate((G[alive], new_g))
-                ID = np.concatenate((ID[alive], ids)) if count else ID[alive]
+            kept = int(np.count_nonzero(alive))
+            if kept < live:
+                for buf in buffers:
+                    buf[:kept] = buf[:live][alive]
+                live = kept
+            if count:
+                buffers = self._append(buffers, live, s, new_y, new_g, ids)
+                buf_t, buf_y, buf_g, buf_id, buf_dp, buf_bp = buffers
+                live += count
 
         if join_to >= 0:
             if joined is None:
@@ -2407,6 +2417,27 @@ class _SuffixSearch:
             return
         self.outcome = "found"
         yield self._reconstruct(final_id, starts, parents, modes, L)
+
+    def _append(self, buffers, live, s, new_y, new_g, ids):
+        """The live-state buffers of :meth:`_search` (suffix start, Ys, G, id, numel and
+        backward prefix sums at the start) with a front created at suffix start ``s``
+        stored after the first ``live`` entries (doubled first where full)."""
+        end = live + ids.size
+        if end > buffers[0].size:
+            grown = []
+            for buf in buffers:
+                bigger = np.empty(2 * end, buf.dtype)
+                bigger[:live] = buf[:live]
+                grown.append(bigger)
+            buffers = grown
+        buf_t, buf_y, buf_g, buf_id, buf_dp, buf_bp = buffers
+        buf_t[live:end] = s
+        buf_y[live:end] = new_y
+        buf_g[live:end] = new_g
+        buf_id[live:end] = ids
+        buf_dp[live:end] = self.numel_prefix[s]
+        buf_bp[live:end] = self.backward_prefix[s]
+        return buffers
 
     @staticmethod
     def _reconstruct(final_id, starts, parents, modes, L):
