@@ -1439,25 +1439,27 @@ class _FrontierSearch:
             rows = states[:, :live]
             e = rows[E]
             group_numel = Dp_t - rows[DS]
-            cs = rows[GS] + (Bp_t + c0 + c1 * Dp_t)
+            # (with a dense cost the two modes' images are written into one array each)
+            cand_c = np.empty(2 * live if has_dense else live)
+            cand_e = np.empty(cand_c.size)
+            cs, es = cand_c[:live], cand_e[:live]
+            np.add(rows[GS], Bp_t + c0 + c1 * Dp_t, out=cs)
             if c2:
                 cs += c2 * group_numel * np.log2(group_numel)
             ys = np.ceil(density * group_numel)  # k(D), exactly as selected_k computes it
             if clamp_k:
                 np.maximum(ys, 1.0, out=ys)
-            es = np.maximum(e, cs)
+            np.maximum(e, cs, out=es)
             ys *= beta_k
             es += ys
             es += alpha
             if has_dense:
-                cd = rows[GD] + Bp_t
-                ed = np.maximum(e, cd)
+                cd, ed = cand_c[live:], cand_e[live:]
+                np.add(rows[GD], Bp_t, out=cd)
+                np.maximum(e, cd, out=ed)
                 ed += alpha_d + beta_d * group_numel
-                cand_c = np.concatenate((cs, cd))
-                cand_e = np.concatenate((es, ed))
             else:
                 cd = None
-                cand_c, cand_e = cs, es
             size = cand_c.size
             if size == 0:  # fixed groups: the previous boundary kept no state
                 if beam is not None:
