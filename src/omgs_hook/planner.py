@@ -1736,9 +1736,8 @@ class _FrontierSearch:
             count = chosen.size
             self.beam_states[t] = (new_c, new_e)
             first_ids.append(next_id)
-            is_dense = chosen >= live
-            parents.append(ids[chosen - live * is_dense])
-            modes.append(is_dense)
+            parents.append(ids[chosen % live])  # (candidates below 2 * live)
+            modes.append(chosen >= live)
             if t == L:
                 if count == 0:
                     return None  # the beam dropped every state that beats the bound
