@@ -31,7 +31,13 @@ group:
   ``planner.dense_valve_budget``): the same plans on all 20 instances, and 18 of 20
   under 200 ms on a quiet host (8 of 20 before; the two left, dense close to sparse
   seeds 3 and 4, 228-233 ms; docs/cost-model.md, "A smaller valve for larger dense
-  instances").
+  instances"). A speed-up of the searches the same day, with the same plans (the dense
+  beam with fewer numpy calls, the polish pricing a whole pass at once, the last
+  forward turn giving up as soon as its count must run out), brings all 20 under
+  200 ms: 34-164 ms per plan (medians, 2 shared cores at load 1.8-2.9), where the
+  previous planner took 36-196 ms in the same runs, alternating with it in one process
+  (dense close to sparse seed 4: 196 -> 135-142 ms; docs/cost-model.md, "Planner time
+  with the dense option: the same plans, faster").
   So these benchmarks are marked ``xfail`` (not strict: the instances that
   finish within the budget pass); they still record the time per plan. How far the
   stopped plans are from the optimum: ``scripts/dense_plan_gap.py`` (realistic seeds 0-4,
