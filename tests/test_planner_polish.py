@@ -124,6 +124,47 @@ def test_polish_is_deterministic():
     assert planner._polish(inst, ps, plan) == planner._polish(inst, ps, plan)
 
 
+def _best_recover(inst, prefix_sums, bounds, modes, j, width, heads_tails, below):
+    """The reference for planner._best_move, one window at a time (the polish's code
+    before 2026-12-06): the best re-cover of groups ``j .. j+width-1`` by one group or two (every cut
+    position at once, every mode pair) whose plan time is below ``below``, as
+    ``(time, bounds, modes)``, or None. Priced by ``max(e + Ys, c + G)`` with the state
+    before the window and the suffix after it."""
+    head_c, head_e, tail_ys, tail_g = heads_tails
+    starts = [0] + list(bounds[:-1])
+    lo, hi = starts[j], bounds[j + width - 1]
+    c0, e0 = head_c[j], head_e[j]
+    ys, g = tail_ys[j + width], tail_g[j + width]
+    choices = (False,) if inst.dense is None else (False, True)
+    best, found = below, None
+    one = planner._group_terms(inst, prefix_sums, lo, hi)
+    for dense in choices:
+        x1, y1 = one[dense]
+        c = c0 + float(x1)
+        value = max(max(e0, c) + float(y1) + ys, c + g)
+        if value < best:
+            best, found = value, ([hi], [dense])
+    if hi - lo >= 2:
+        cut = np.arange(lo + 1, hi)
+        first = planner._group_terms(inst, prefix_sums, lo, cut)
+        second = planner._group_terms(inst, prefix_sums, cut, hi)
+        for dense1 in choices:
+            x1, y1 = first[dense1]
+            c1 = c0 + x1
+            e1 = np.maximum(e0, c1) + y1
+            for dense2 in choices:
+                x2, y2 = second[dense2]
+                c2 = c1 + x2
+                values = np.maximum(np.maximum(e1, c2) + y2 + ys, c2 + g)
+                at = int(np.argmin(values))
+                if values[at] < best:
+                    best, found = float(values[at]), ([int(cut[at]), hi], [dense1, dense2])
+    if found is None:
+        return None
+    return (best, list(bounds[:j]) + found[0] + list(bounds[j + width:]),
+            list(modes[:j]) + found[1] + list(modes[j + width:]))
+
+
 @pytest.mark.parametrize("dense", [False, True])
 def test_a_pass_priced_at_once_is_its_windows_priced_in_turn(dense):
     """_best_move (every window of a pass at once) returns what _best_recover returns
@@ -143,8 +184,7 @@ def test_a_pass_priced_at_once_is_its_windows_priced_in_turn(dense):
         for below in (value, value * 0.999, math.inf):
             move, bar = None, below
             for j, width in windows:
-                found = planner._best_recover(inst, ps, bounds, modes, j, width,
-                                              heads_tails, bar)
+                found = _best_recover(inst, ps, bounds, modes, j, width, heads_tails, bar)
                 if found is not None:
                     move, bar = found, found[0]
             assert planner._best_move(inst, ps, bounds, modes, windows, heads_tails,

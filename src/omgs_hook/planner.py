@@ -889,52 +889,15 @@ def _heads_and_tails(inst: Instance, prefix_sums, bounds, modes):
     return head_c, head_e, tail_ys, tail_g
 
 
-def _best_recover(inst: Instance, prefix_sums, bounds, modes, j, width, heads_tails, below):
-    """The best re-cover of groups ``j .. j+width-1`` by one group or two (every cut
-    position at once, every mode pair) whose plan time is below ``below``, as
-    ``(time, bounds, modes)``, or None. Priced by ``max(e + Ys, c + G)`` with the state
-    before the window and the suffix after it."""
-    head_c, head_e, tail_ys, tail_g = heads_tails
-    starts = [0] + list(bounds[:-1])
-    lo, hi = starts[j], bounds[j + width - 1]
-    c0, e0 = head_c[j], head_e[j]
-    ys, g = tail_ys[j + width], tail_g[j + width]
-    choices = (False,) if inst.dense is None else (False, True)
-    best, found = below, None
-    one = _group_terms(inst, prefix_sums, lo, hi)
-    for dense in choices:
-        x1, y1 = one[dense]
-        c = c0 + float(x1)
-        value = max(max(e0, c) + float(y1) + ys, c + g)
-        if value < best:
-            best, found = value, ([hi], [dense])
-    if hi - lo >= 2:
-        cut = np.arange(lo + 1, hi)
-        first = _group_terms(inst, prefix_sums, lo, cut)
-        second = _group_terms(inst, prefix_sums, cut, hi)
-        for dense1 in choices:
-            x1, y1 = first[dense1]
-            c1 = c0 + x1
-            e1 = np.maximum(e0, c1) + y1
-            for dense2 in choices:
-                x2, y2 = second[dense2]
-                c2 = c1 + x2
-                values = np.maximum(np.maximum(e1, c2) + y2 + ys, c2 + g)
-                at = int(np.argmin(values))
-                if values[at] < best:
-                    best, found = float(values[at]), ([int(cut[at]), hi], [dense1, dense2])
-    if found is None:
-        return None
-    return (best, list(bounds[:j]) + found[0] + list(bounds[j + width:]),
-            list(modes[:j]) + found[1] + list(modes[j + width:]))
-
-
 def _best_move(inst: Instance, prefix_sums, bounds, modes, windows, heads_tails, below):
-    """What :func:`_best_recover` over ``windows`` in turn, each with the best time found
-    so far as its ``below``, returns last (the pass's best move, the first one in that
-    order among equal times), or None - with every window priced at once: the same
-    values by the same floating-point operations, in a few numpy calls per pass instead
-    of a few dozen per window (a pass of a 27-group plan prices 78 windows)."""
+    """The pass's best move: the best re-cover of a window ``(j, width)`` of ``windows``
+    - groups ``j .. j+width-1`` - by one group or two (every cut position, every mode
+    pair) whose plan time is below ``below``, as ``(time, bounds, modes)``, or None; the
+    first window in order, then the first choice (one group by mode, then the mode pairs
+    by cut), among equal times. Priced by ``max(e + Ys, c + G)`` with the state before
+    the window and the suffix after it, every window at once: a few numpy calls per pass
+    instead of a few dozen per window (a pass of a 27-group plan prices 78 windows;
+    tests/test_planner_polish.py holds the window-by-window reference)."""
     if not windows:
         return None
     head_c, head_e, tail_ys, tail_g = heads_tails
@@ -946,7 +909,7 @@ def _best_move(inst: Instance, prefix_sums, bounds, modes, windows, heads_tails,
     e0 = np.array([head_e[j] for j, _ in windows])
     ys = np.array([tail_ys[j + w] for j, w in windows])
     g = np.array([tail_g[j + w] for j, w in windows])
-    # one group per window, per mode: _best_recover's value
+    # one group per window, per mode
     one = _group_terms(inst, prefix_sums, lo, hi)
     single = []
     for dense in choices:
@@ -978,7 +941,7 @@ def _best_move(inst: Instance, prefix_sums, bounds, modes, windows, heads_tails,
     if not least < below:
         return None
     # the first window (in order) where the least time occurs, then the first choice
-    # there in _best_recover's order: one group by mode, then the mode pairs by cut
+    # there: one group by mode, then the mode pairs by cut
     hits = [np.flatnonzero(v == least) for v in single]
     hits += [owner[np.flatnonzero(v == least)] for _, v in pairs]
     k = min(int(h[0]) for h in hits if h.size)
@@ -1152,6 +1115,13 @@ def _time_scale(inst: Instance) -> float:
 
 # ---------------------------------------------------------------------------
 # the exact search
+
+
+def _grown(states, ids, live, end):
+    """The live-state arrays with room for twice ``end`` states, the first ``live`` kept."""
+    grown = np.zeros((4, 2 * end))
+    grown[:, :live] = states[:, :live]
+    return grown, np.concatenate((ids[:live], np.zeros(2 * end - live, np.int64)))
 
 
 class _FrontierSearch:
@@ -1605,10 +1575,7 @@ class _FrontierSearch:
                 continue
             end = live + count
             if end > ids.size:
-                grown = np.zeros((4, 2 * end))
-                grown[:, :live] = states[:, :live]
-                states = grown
-                ids = np.concatenate((ids[:live], np.zeros(2 * end - live, np.int64)))
+                states, ids = _grown(states, ids, live, end)
             np.subtract(new_c, Bp_t + c1 * Dp_t, out=states[GS, live:end])
             states[E, live:end] = new_e
             states[DS, live:end] = Dp_t
@@ -1770,10 +1737,7 @@ class _FrontierSearch:
                 continue
             end = live + count
             if end > ids.size:
-                grown = np.zeros((4, 2 * end))
-                grown[:, :live] = states[:, :live]
-                states = grown
-                ids = np.concatenate((ids[:live], np.zeros(2 * end - live, np.int64)))
+                states, ids = _grown(states, ids, live, end)
             np.subtract(new_c, Bp_t + c1 * Dp_t, out=states[0, live:end])
             states[1, live:end] = new_e
             states[2, live:end] = Dp_t
