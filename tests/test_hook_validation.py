@@ -98,6 +98,12 @@ def test_pinned_plan_forms_are_accepted_and_checked_against_the_model(tmp_path):
                                  "predicted_iteration_s": 0.01, "non_overlapped_s": 0.0}]))
     units = OMGSState(module=module, plan=str(path))._pinned
     assert units[0] == "units" and units[1] == ((0, 1), (2,)) and units[2] == (False, False)
+    assert units[3] == 0.01
+    # an entry of stats()["plan_history"] (train.py's log) keeps its predicted time too
+    entry = {"step": 7, "strategy": "optimal", "groups": [[0, 1], [2, 3]],
+             "dense": [False, True], "exchange": None, "reason": "model",
+             "predicted_s": 0.042, "checksum": 1}
+    assert OMGSState(module=module, plan=entry)._pinned[3] == 0.042
     with pytest.raises(ValueError, match="plan: .*not in the model: \\['b'\\]"):
         OMGSState(module=module, plan={"groups": [names, ["b"]]})
     with pytest.raises(ValueError, match="plan: .*not in the plan"):
@@ -344,7 +350,18 @@ def test_resuming_with_a_pinned_plan_uses_the_pinned_plan():
     state = OMGSState(module=module, plan=pinned)
     state.load_state_dict(saved)
     assert [list(g) for g in state.plan.groups] == pinned["groups"]
-    assert state.plan.dense == (True, False) and state.plan.made_at_step == 6
+    # another plan than the checkpoint's from step 10 on, and the history says so (it
+    # kept the checkpoint's plan as the last entry, and the step it was made at)
+    assert state.plan.dense == (True, False) and state.plan.made_at_step == 10
+    last = state.stats()["plan_history"][-1]
+    assert (last["step"], last["reason"], last["dense"]) == (10, "pinned", [True, False])
+    # the checkpoint's own plan pinned again: in use since it was made, on record once
+    state = OMGSState(module=module, plan=other.to_dict())
+    saved_history = [{"step": 6, "strategy": "optimal", "groups": [[0]], "dense": [False],
+                      "exchange": None, "reason": "model", "predicted_s": 0.1,
+                      "checksum": other.checksum()}]
+    state.load_state_dict(dict(saved, plan_history=saved_history))
+    assert state.plan.made_at_step == 6 and state.stats()["plan_history"] == saved_history
     # a bucket-index plan is laid over the saved plan's buckets when their number fits
     state = OMGSState(module=module, plan={"groups": [[0], [1, 2, 3]]})
     state.load_state_dict(saved)

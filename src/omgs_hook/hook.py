@@ -311,6 +311,8 @@ def _parse_pinned_plan(plan):
     exchange = check_exchange(plan.get("exchange"))  # None: the registration's
     flat = [x for g in groups for x in g]
     predicted = plan.get("predicted_iteration_s")
+    if predicted is None:  # a stats()["plan_history"] entry calls it predicted_s
+        predicted = plan.get("predicted_s")
     predicted = float(predicted) if isinstance(predicted, (int, float)) else 0.0
     if all(isinstance(x, str) for x in flat):
         if len(set(flat)) != len(flat):
@@ -1649,19 +1651,27 @@ class OMGSState:
         self.plan = None
         if self.step < self.warmup_steps:
             return
-        made_at = saved.made_at_step if saved is not None else self.step
         exchange = self._pinned_exchange() or self._registered_exchange()
         if self._pinned[0] == "keys":
             layout = saved.layout if saved is not None else self._pinned[1].layout
-            self.plan = dataclasses.replace(self._pinned[1], made_at_step=made_at,
-                                            exchange=exchange, layout=layout)
-            return
-        _, units, dense, predicted, _ = self._pinned
-        if saved is not None and len(saved.layout) == sum(len(g) for g in units):
+            plan = dataclasses.replace(self._pinned[1], made_at_step=self.step,
+                                       exchange=exchange, layout=layout)
+        else:
+            _, units, dense, predicted, _ = self._pinned
+            if saved is None or len(saved.layout) != sum(len(g) for g in units):
+                return
             unit_plan = planner_mod.Plan(strategy="pinned", groups=units, dense=dense,
                                          predicted_iteration_s=predicted, non_overlapped_s=0.0)
-            self.plan = GroupPlan.from_unit_plan(unit_plan, saved.layout, made_at_step=made_at,
-                                                 exchange=exchange)
+            plan = GroupPlan.from_unit_plan(unit_plan, saved.layout, made_at_step=self.step,
+                                            exchange=exchange)
+        if saved is not None and saved.checksum() == plan.checksum():
+            # the checkpoint's run used this very plan: in use since then, on record already
+            self.plan = dataclasses.replace(plan, made_at_step=saved.made_at_step)
+        else:
+            # another plan from here on: the history must say so, or a replay of it
+            # (train.py --plan from the log) would run the checkpoint's plan
+            self.plan = plan
+            self._note_plan("pinned")
 
     def _note_stall(self, seconds):
         """Host seconds a step spent on re-planning on the autograd thread (taking and
