@@ -54,6 +54,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--fits", type=int, default=1,
+                        help="call trainer.fit this many times, --steps steps each")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -62,12 +64,14 @@ def main(argv=None):
                "select": "model", "warmup_steps": 2, "log_every": 0}
     strategy = OMGSStrategy(omgs_options=options, process_group_backend="gloo", bucket_cap_mb=0)
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                         num_nodes=1, strategy=strategy, max_steps=args.steps,
+                         num_nodes=1, strategy=strategy, max_steps=args.fits * args.steps,
                          enable_checkpointing=False, logger=False, enable_progress_bar=False,
                          enable_model_summary=False)
     model = Classifier()
     loader = torch.utils.data.DataLoader(synthetic_data(), batch_size=32, shuffle=False)
-    trainer.fit(model, loader)
+    for fit in range(args.fits):
+        trainer.fit_loop.epoch_loop.max_steps = (fit + 1) * args.steps
+        trainer.fit(model, loader)
     stats = strategy.omgs_state.stats()
     if trainer.global_rank == 0:
         report = {"steps": stats["step"], "total": stats["total"],

@@ -38,6 +38,25 @@ def test_trainer_fit_with_omgs_strategy_on_two_cpu_ranks(tmp_path):
     assert report["last_loss"] < report["first_loss"] / 10
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_second_fit_carries_the_hook_state_over(tmp_path):
+    # each fit wraps the module in a new DDP model, and the strategy registered a fresh
+    # state there: the first fit's residuals were dropped without a word
+    out = tmp_path / "lightning.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           str(ROOT / "scripts" / "lightning_example.py"), "--steps", "12", "--fits", "2",
+           "--out", str(out)]
+    returncode, output = run_in_session(cmd, 280, cwd=ROOT,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert returncode == 0, output[-4000:]
+    report = json.loads(out.read_text())
+    total = report["total"]
+    assert report["steps"] == 24 and total["steps"] == 24  # one count over both fits
+    assert total["warmup_steps"] == 2  # the dense warm-up ran once, not once per fit
+    assert total["rewound_steps"] == 0
+
+
 def test_bad_options_are_rejected_when_the_strategy_is_built():
     with pytest.raises(ValueError, match="density"):
         OMGSStrategy(omgs_options={"density": 2.0})

@@ -23,7 +23,9 @@ With ``precision="16-mixed"`` the plugin's ``GradScaler`` is passed to the hook
 (``grad_scaler``), so the residuals follow the loss scale.
 
 Residuals are per rank: Lightning's checkpoints (written by rank 0) do not carry them.
-Save ``strategy.omgs_state.state_dict()`` on every rank if a run must resume bit-exactly.
+Save ``strategy.omgs_state.state_dict()`` on every rank if a run must resume bit-exactly,
+and load it back in a callback's ``on_train_start`` (``trainer.strategy.omgs_state``).
+A second ``trainer.fit()`` with the same strategy carries the hook's state over itself.
 
 Needs the ``lightning`` extra (``pip install 'omgs-hook[lightning]'``).
 """
@@ -67,10 +69,17 @@ class OMGSStrategy(DDPStrategy):
     def _register_ddp_hooks(self):
         # DDPStrategy.configure_ddp calls this right after wrapping the model in DDP;
         # Lightning's own version registers hooks on CUDA only.
+        # A second trainer.fit() wraps the module in a new DDP model: the new state takes
+        # over the last one's residuals, step count, plan and measurements (a fresh one
+        # dropped the residuals without a word), as a resume into a fresh DDP model does
+        saved = None
         if self.omgs_state is not None:
+            saved = self.omgs_state.state_dict()
             self.omgs_state.close()
         self.omgs_state = register(self.model, **options_with_scaler(
             self.omgs_options, getattr(self, "precision_plugin", None)))
+        if saved is not None:
+            self.omgs_state.load_state_dict(saved)
 
 
 def options_with_scaler(options, precision_plugin):
