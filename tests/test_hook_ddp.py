@@ -530,6 +530,22 @@ def test_resume_is_bit_identical(tmp_path, strategy):
         assert r["identical"], r["max_diff"]
 
 
+@pytest.mark.timeout(180)
+def test_resume_just_before_the_first_plan_is_bit_identical(tmp_path):
+    # the first plan is due at the end of the resumed run's first step, which runs on
+    # DDP's one-bucket layout of the new process: it was planned over that one bucket
+    # (one group for everything, and a false "bucket 0 holds 100%" warning), where the
+    # uninterrupted run planned over the rebuilt buckets
+    results = run_ranks("test_hook_ddp", "resume_worker", world_size=2,
+                        hook_options={"strategy": "layerwise", "warmup_steps": 5,
+                                      "replan_every": 1000, "allow_dense": False,
+                                      "select": "model"},
+                        ckpt_dir=str(tmp_path), first=4, second=8)
+    for r in results:
+        assert len(r["plan"]["groups"]) > 1, r["plan"]
+        assert r["identical"], r["max_diff"]
+
+
 def changed_options_worker(rank, world_size, first, second, save_at, steps):
     """Train with options ``first``, checkpoint at ``save_at``, resume with ``second``."""
     import io

@@ -226,6 +226,11 @@ class StepExchange:
         # exchanges): shard residuals become the per-parameter residuals this path sends
         self.memory.migrate_overlapping(keys)
         bucket_index = self.whole_bucket(keys) if dense else None
+        if bucket_index is not None and self._buffers[bucket_index].element_size() < 4:
+            # a bf16/fp16 bucket is summed in fp32 on every rank (never in place): a rank
+            # with a residual must send an fp32 sum so that the average is rounded once,
+            # and every rank must send the same dtype
+            bucket_index = None
         if bucket_index is not None and self.clip_per_sqrt_element is None and all(
                 key in self.parked or self.memory.get(key) is None for key in keys):
             self._send_dense_inplace(keys, numel, bucket_index)
@@ -357,10 +362,10 @@ class StepExchange:
         # ranks' contributions must add up to the average either way
         acc.div_(self.world_size)
         if bucket_index is not None:
-            # exactly one bucket: another rank may send it in place (it has no residual
-            # here), so this rank must send the same tensor - the bucket buffer, in the
-            # bucket's dtype; an fp32 copy of a bf16, fp16 or fp64 bucket would be a
-            # collective of another size, which gloo aborts on and NCCL mis-reduces
+            # exactly one fp32 or fp64 bucket: another rank may send it in place (it has
+            # no residual here), so this rank must send the same tensor - the bucket
+            # buffer, in its dtype; an fp32 copy of an fp64 bucket would be a collective
+            # of another size, which gloo aborts on and NCCL mis-reduces
             buffer = self._buffers[bucket_index]
             for g_off, n, grad in segments:
                 grad.copy_(acc[g_off:g_off + n])

@@ -782,6 +782,8 @@ class OMGSState:
         self._exchange = None
         self._consistency_checked = False
         self._layout_streak = (None, 0)
+        self._resumed_layout = None  # the checkpoint's last layout (load_state_dict)
+        self._first_due_at = None  # the step the first plan was due at, if it waited
         self._fitter = None
         if self.refit_online:
             from .fitting import OnlineLinearFitter
@@ -1585,14 +1587,32 @@ class OMGSState:
             # the re-plan's whole time on this thread: its start at the end of the step too
             self._note_stall(started_s + time.perf_counter() - started)
 
+    def _first_apply_step(self):
+        """The step the first plan goes into use: PLAN_LAG steps after it was due, even
+        when it waited for a resumed run's layout (:meth:`_replan_due`), as long as that
+        is still a later step; else the next one."""
+        if self._first_due_at is None:
+            return self.step + PLAN_LAG
+        return max(self.step + 1, self._first_due_at + PLAN_LAG)
+
     def _replan_due(self, layout):
         """Why a re-plan is due now (``"first"``, ``"periodic"``, ``"overhead"``,
         ``"layout"``), or None."""
         if self._plan_job is not None:
             return None  # a plan is being computed
-        if self.plan is None:
-            return "first"
         _, streak = self._layout_streak
+        if self.plan is None:
+            if (self._resumed_layout is not None and layout != self._resumed_layout
+                    and streak < LAYOUT_SETTLE_STEPS):
+                # resumed before its first plan, and this step ran on DDP's first,
+                # one-bucket layout of the new process: plan over the buckets DDP
+                # rebuilds (the checkpoint's), or over whatever layout settles instead;
+                # it goes into use at the step it would have without the wait, where it
+                # can (_first_apply_step), so the resume stays the uninterrupted run
+                if self._first_due_at is None:
+                    self._first_due_at = self.step
+                return None
+            return "first"
         layout_changed = layout != self.plan.layout and streak >= LAYOUT_SETTLE_STEPS
         if self._trial is not None:
             # a running trial is only interrupted by a new layout
@@ -2138,7 +2158,8 @@ class OMGSState:
             "layout": [list(b) for b in layout],
             "reason": reason,
             "overhead_known": bool(inputs["overhead_measured"]),
-            "apply_at_step": self.step + PLAN_LAG,
+            "apply_at_step": (self._first_apply_step() if reason == "first"
+                              else self.step + PLAN_LAG),
             "kept": ({"name": kept.strategy, "groups": start["groups"],
                       "dense": start["dense"], "exchange": kept.exchange}
                      if periodic else None),
@@ -2756,7 +2777,8 @@ class OMGSState:
             f"step {s['step']} groups {last.get('groups', 0)}"
             f" (dense {last.get('dense_groups', 0)}) density {last.get('density', 0):.4g}"
             f" sent {last.get('bytes_sent', 0) / 1e6:.3f} MB"
-            f" compression {s['total']['compression']:.1f}x"
+            # (the run's total, dense warm-up included: not this step's, beside it)
+            f" compression so far {s['total']['compression']:.1f}x"
             f" iter {measured if measured is None else round(measured, 4)} s"
             f" predicted {None if plan is None else round(plan['predicted_iteration_s'], 4)} s"
             f" plan {None if plan is None else plan['strategy']}"
@@ -2817,6 +2839,11 @@ class OMGSState:
                              if self._trial_layout is not None else None),
             "regret_checked": self._regret_checked,
             "last_trial": self._last_trial,
+            # DDP's buckets at the last step: a resumed run's first steps run on DDP's
+            # first, one-bucket layout, and its first plan waits for these
+            "layout": ([list(b) for b in self._layout_streak[0]]
+                       if self._layout_streak[0] is not None else None),
+            "first_due_at": self._first_due_at,
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if self._model_key is not None else None),
             "retrial_steps": self._retrial_steps,
@@ -2942,6 +2969,10 @@ class OMGSState:
             self._start_trial_from(plan_selection.Trial.from_state_dict(sd["trial"]))
         self._regret_checked = bool(sd.get("regret_checked", False))
         self._last_trial = sd.get("last_trial")
+        self._resumed_layout = (tuple(tuple(b) for b in sd["layout"]) if sd.get("layout")
+                                else None)
+        due = sd.get("first_due_at")
+        self._first_due_at = int(due) if due is not None else None
         key = sd.get("model_key")
         self._model_key = ((tuple(tuple(g) for g in key[0]), tuple(bool(d) for d in key[1]))
                            if key else None)
