@@ -31,7 +31,7 @@ def _residuals(state, model):
                       for name, p in model.named_parameters()])
 
 
-def join_worker(rank, world_size, options):
+def join_worker(rank, world_size, options, zero_first=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import omgs_hook
@@ -47,13 +47,16 @@ def join_worker(rank, world_size, options):
     residual_at_join = None
     with ddp.join():
         for _ in range(STEPS[rank]):
+            if zero_first:  # the common loop: a joined rank keeps its last .grad
+                optimizer.zero_grad()
             x = torch.randn(8, 16, generator=generator)
             # this rank's own gradient at the shared parameters, for the conservation check
             local = torch.autograd.grad(model(x).square().mean() * 0.01, list(model.parameters()))
             gradient_sum += _flat(local)
             (ddp(x).square().mean() * 0.01).backward()
             optimizer.step()
-            optimizer.zero_grad()
+            if not zero_first:
+                optimizer.zero_grad()
         residual_at_join = _residuals(state, model)
     stats = state.stats()
     return {
@@ -67,13 +70,16 @@ def join_worker(rank, world_size, options):
     }
 
 
-@pytest.mark.parametrize("options", [
-    {"strategy": "single", "select": "model", "allow_dense": False},
-    {"allow_dense": False},  # the measured selection: its trial runs while rank 0 has joined
-], ids=["single", "measured"])
-def test_uneven_inputs_with_join_conserve_error_feedback(options):
+@pytest.mark.parametrize("options, zero_first", [
+    ({"strategy": "single", "select": "model", "allow_dense": False}, False),
+    ({"allow_dense": False}, False),  # the measured selection: its trial runs while rank 0 has joined
+    # zero_grad() at the top of the loop: the joined rank's last .grad is still set in its
+    # shadow steps (it sent its residual's top-k there until the hook noted local use)
+    ({"strategy": "single", "select": "model", "allow_dense": False}, True),
+], ids=["single", "measured", "single-zero-first"])
+def test_uneven_inputs_with_join_conserve_error_feedback(options, zero_first):
     early, late = run_ranks("test_join", "join_worker", world_size=2, timeout=120,
-                            options=options)
+                            options=options, zero_first=zero_first)
     # both ranks count every step of the job, shadow steps included, and plan alike
     assert early["steps"] == late["steps"] == max(STEPS)
     assert early["plans"] == late["plans"]
