@@ -115,8 +115,8 @@ class StepExchange:
         self.arrived = {}  # key -> (bucket index, flat gradient view)
         self.sent = set()  # keys already assigned to an issued group
         # Parameters without a .grad at hook time were unused by this rank's forward
-        # (find_unused_parameters), as are those add_bucket's ``used`` shows unused with
-        # a zero .grad. If no rank used them, DDP discards whatever the hook writes for
+        # (find_unused_parameters, or a join()'s shadow step), as are those add_bucket's
+        # ``used`` shows unused with a zero gradient. If no rank used them, DDP discards whatever the hook writes for
         # them, so their residual must neither be sent nor reset: it is parked.
         self.parked = set()
         self.records = []
@@ -154,9 +154,10 @@ class StepExchange:
         """Register bucket ``bucket`` (DDP GradBucket): its ``params`` have ``keys``.
 
         ``used``: the keys whose gradient this rank's backward computed since the last
-        synchronised step, where that is tracked (DDP's ``find_unused_parameters``):
-        a parameter outside it whose gradient is all zeros is parked too, as one without
-        a ``.grad`` is."""
+        synchronised step, where that is tracked (``OMGSState.track_local_use``, which
+        ``register`` calls): a parameter outside it whose gradient is all zeros - left
+        unused under ``find_unused_parameters``, or a joined rank's shadow step - is
+        parked too, as one without a ``.grad`` is."""
         index = len(self.layout)
         self.arrival_wall.append(time.perf_counter())
         grads = bucket.gradients()
@@ -344,6 +345,12 @@ class StepExchange:
             self.health.append([_sum_of_squares([(0, buffer.numel(), buffer)]),
                                 buffer.new_zeros((), dtype=torch.float32)])
         buffer.div_(self.world_size)
+        self._allreduce_bucket(keys, numel, buffer, started)
+
+    def _allreduce_bucket(self, keys, numel, buffer, started):
+        """Issue the dense group ``keys``, exactly one bucket, as the all-reduce of that
+        bucket's ``buffer`` (each rank's share already in it): the average lands in DDP's
+        own buffer, with no write-back."""
         record = GroupRecord(keys, True, numel, numel, numel * buffer.element_size(), started)
         self._issue(lambda: communicator.allreduce_async(buffer, self.process_group),
                     lambda: self._finish_dense(keys, buffer, segments=None), record)
@@ -366,13 +373,9 @@ class StepExchange:
             # no residual here), so this rank must send the same tensor - the bucket
             # buffer, in its dtype; an fp32 copy of an fp64 bucket would be a collective
             # of another size, which gloo aborts on and NCCL mis-reduces
-            buffer = self._buffers[bucket_index]
             for g_off, n, grad in segments:
                 grad.copy_(acc[g_off:g_off + n])
-            record = GroupRecord(keys, True, numel, numel, numel * buffer.element_size(),
-                                 started)
-            self._issue(lambda: communicator.allreduce_async(buffer, self.process_group),
-                        lambda: self._finish_dense(keys, buffer, segments=None), record)
+            self._allreduce_bucket(keys, numel, self._buffers[bucket_index], started)
             return
         record = GroupRecord(keys, True, numel, numel, 4 * numel, started)
         self._issue(lambda: communicator.allreduce_async(acc, self.process_group),
