@@ -341,3 +341,41 @@ def test_the_host_clock_meter_stores_arrays_and_restores_plain_floats():
     restored = BackwardMeter(window=4)
     restored.load_state_dict(state)
     assert restored.backward_s() == meter.backward_s()
+
+
+class _FakeEvent:
+    """A CUDA event's interface on a fake timeline (seconds in ``at``)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1000.0
+
+
+def test_the_first_cuda_step_forward_marked_on_the_host_is_not_resolved_as_events(monkeypatch):
+    """On CUDA the device is known at the first bucket, after the first step's forward
+    was marked with the host clock (floats): resolving that step one step later with
+    the CUDA clock subtracted a float from an event (AttributeError in backward())."""
+    times = iter(float(t) for t in range(1000))
+    monkeypatch.setattr(measurements.CudaClock, "mark", lambda self: _FakeEvent(next(times)))
+    meter = BackwardMeter(window=4)
+    layout = (("a",), ("b",))
+    for step in range(3):
+        meter.forward_started()
+        meter.forward_finished()
+        if step == 0:
+            meter.use_device(measurements.torch.device("cuda", 0))  # as _first_bucket_setup
+        for index in range(2):
+            meter.bucket_arrived(index)
+            meter.sends_started()
+            meter.sends_finished()
+        meter.end_step(layout, step=step)
+        meter.step_finished(0.0)
+    # steps 0 and 1 resolved (step 2 waits for the next one); step 0 without a forward
+    assert meter.num_samples == 2
+    assert all(s >= 0.0 for s in meter.backward_s())
+    assert meter.forward_s() > 0.0

@@ -123,6 +123,11 @@ class BackwardMeter:
         """Pick the clock for the gradients' device (called at the first bucket)."""
         if device.type == "cuda" and not isinstance(self.clock, CudaClock):
             self.clock = CudaClock(device)
+            # the current step's forward was marked with the host clock (its first bucket
+            # is where the device becomes known): host floats cannot be subtracted from
+            # CUDA events when the step is resolved, so that step has no forward time
+            self._fwd_start = self._fwd_end = None
+            self._pending = None
 
     # -- marks ------------------------------------------------------------------
     def forward_started(self):
