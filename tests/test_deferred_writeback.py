@@ -209,3 +209,46 @@ def test_a_deferred_write_back_sample_covers_the_bucket_futures_callbacks():
     ex.finish_issuing()
     (numel, seconds), = ex.writeback_samples
     assert numel == 4 and seconds >= 0.1
+
+
+def test_a_cuda_bucket_future_waits_for_every_write_back_into_the_bucket(monkeypatch):
+    """On CUDA a group's write-back runs in its collective future's callback, on a stream
+    from a pool (a different one per callback), not on the compute stream. The bucket
+    future handed to DDP must carry the device (so that set_result records an event
+    DDP's wait() synchronises with) and be set only after the current stream waited for
+    the write-backs of every group that wrote into the bucket. Simulated on the CPU:
+    the three CUDA calls are replaced by ones that log."""
+    from omgs_hook import group_exchange
+    from omgs_hook.group_exchange import GroupRecord, StepExchange
+    from omgs_hook.residual_memory import ResidualMemory
+
+    log = []
+    tokens = iter(range(100))
+
+    class LoggingFuture(torch.futures.Future):
+        def set_result(self, result):
+            log.append(("set_result",))
+            super().set_result(result)
+
+    monkeypatch.setattr(group_exchange, "_bucket_future", lambda device: LoggingFuture())
+    monkeypatch.setattr(group_exchange, "_writes_done_event",
+                        lambda device: ("event", next(tokens)))
+    monkeypatch.setattr(group_exchange, "_wait_for_events",
+                        lambda device, events: log.append(("wait", sorted(e[1] for e in events))))
+    ex = StepExchange(memory=ResidualMemory(), selector=None, process_group=None,
+                      world_size=1, density=0.5)
+    bucket = FakeBucket([torch.ones(4), torch.ones(3)])  # one bucket, two groups
+    bucket_future = ex.add_bucket(bucket, ["a", "b"], bucket.params)
+    collectives = []
+    for key in ("a", "b"):
+        collective = torch.futures.Future()
+        collectives.append(collective)
+        record = GroupRecord((key,), False, 4, 2, 20, time.perf_counter())
+        ex._issue(lambda c=collective: c, lambda: None, record)
+    ex.finish_issuing()
+    collectives[0].set_result(None)
+    assert log == [] and not bucket_future.done()  # group "b" not written back yet
+    collectives[1].set_result(None)
+    assert log == [("wait", [0, 1]), ("set_result",)]
+    assert bucket_future.done() and ex.finished and ex.error is None
+    assert len(ex._retained) == 2  # the write-backs' tensors outlive their callbacks

@@ -137,6 +137,11 @@ class StepExchange:
 
         self._futures = []  # per bucket
         self._buffers = []
+        # per bucket (CUDA): events recorded after each write-back into it (see _complete)
+        self._written = []
+        # (CUDA) the write-backs' closures - the gathered tensors they read on a callback
+        # stream - kept until the exchange is dropped, after DDP has waited for them
+        self._retained = []
         self._remaining = []  # per bucket: parameters not written back yet
         self._completed = set()
         self._issued = 0
@@ -179,10 +184,11 @@ class StepExchange:
                 # zero_grad(set_to_none=False) left at zero. The zero test is the guard:
                 # a gradient that holds anything is sent as any other
                 self.parked.add(key)
-        future = torch.futures.Future()
+        future = _bucket_future(buffer.device)
         with self._lock:
             self._futures.append(future)
             self._buffers.append(buffer)
+            self._written.append([])
             self._remaining.append(len(keys))
         return future
 
@@ -611,11 +617,16 @@ class StepExchange:
                 self._comm_sample(record.bytes, issue_wall, completed_at)
             with _range("write_back", group):
                 finish()
+            # CUDA: the write-back ran on the callback's stream (a CUDA future runs its
+            # callbacks on a stream from a pool, not on the compute stream)
+            written = _writes_done_event(self._buffers[0].device if self._buffers else None)
+            if written is not None:
+                self._retained.append(finish)
             record.done = time.perf_counter() if completed_at is None else completed_at
         except BaseException as exc:  # noqa: BLE001 - routed to the futures
             self._fail(exc, group_finished=True)
             return
-        self._group_done(record.keys)
+        self._keys_done(record.keys, group_finished=True, written=written)
         if completed_at is not None and len(self.writeback_samples) > samples:
             # a deferred write-back: all of it is this thread's time, the bucket futures'
             # callbacks (DDP's) and this bookkeeping included - the compute-stream work
@@ -694,23 +705,32 @@ class StepExchange:
     def _group_done(self, keys):
         self._keys_done(keys, group_finished=True)
 
-    def _keys_done(self, keys, group_finished):
+    def _keys_done(self, keys, group_finished, written=None):
         """``keys`` are written back (by an issued group when ``group_finished``); the
-        buckets they complete get their futures."""
+        buckets they complete get their futures. ``written``: on CUDA, an event recorded
+        after that write-back. A bucket's future is set on the current stream once it
+        waits for every write-back into the bucket - groups complete on different
+        streams - so that DDP, waiting for the future, waits for all of them."""
         ready = []
         with self._lock:
+            touched = set()
             for key in keys:
                 index = self.arrived[key][0]
+                if written is not None and index not in touched:
+                    touched.add(index)
+                    self._written[index].append(written)
                 self._remaining[index] -= 1
                 if self._remaining[index] == 0 and index not in self._completed:
                     self._completed.add(index)
-                    ready.append(index)
+                    ready.append((index, list(self._written[index])))
             if group_finished:
                 self._done += 1
             finished = self._maybe_finish_locked()
         if finished:
             self._after_finish()
-        for index in ready:
+        for index, events in ready:
+            if events:
+                _wait_for_events(self._buffers[index].device, events)
             self._futures[index].set_result(self._buffers[index])
 
     def _fail(self, exc, group_finished):
@@ -767,6 +787,32 @@ class StepExchange:
     def _after_finish(self):
         if self.on_finished is not None:
             self.on_finished(self)
+
+
+def _bucket_future(device):
+    """A bucket's future for DDP. On CUDA it names the device, so that ``set_result``
+    records an event on the current stream and DDP's ``wait()`` makes its stream wait
+    for it (a future without devices records none: DDP would read the bucket while
+    the write-back kernels may still run on another stream)."""
+    if device.type == "cuda":
+        return torch.futures.Future(devices=[device])
+    return torch.futures.Future()
+
+
+def _writes_done_event(device):
+    """On CUDA, an event recorded on the current stream (after a write-back); else None."""
+    if device is None or device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _wait_for_events(device, events):
+    """Make the current stream of ``device`` wait for ``events`` (no host wait)."""
+    stream = torch.cuda.current_stream(device)
+    for event in events:
+        stream.wait_event(event)
 
 
 def _range(stage, group):
