@@ -475,6 +475,19 @@ def main(argv=None):
         wanted.insert(0, "env")
     report = {"started": datetime.datetime.now().isoformat(timespec="seconds"),
               "device": str(device), "quick": args.quick, "sections": {}}
+    # the device runner brings back only what is written under $OUT: a copy goes there
+    targets = [(args.json, args.doc)]
+    if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]):
+        targets.append((os.path.join(os.environ["OUT"], os.path.basename(args.json)),
+                        os.path.join(os.environ["OUT"], os.path.basename(args.doc))))
+
+    def write_report():
+        for json_path, doc_path in targets:
+            with open(json_path, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+            with open(doc_path, "w") as f:
+                f.write(render_markdown(report))
+
     started = time.perf_counter()
     for name in wanted:
         t0 = time.perf_counter()
@@ -485,13 +498,15 @@ def main(argv=None):
         result["section_s"] = round(time.perf_counter() - t0, 1)
         report["sections"][name] = result
         print(f"[gpu_check] {name}: ok={result.get('ok')} ({result['section_s']} s)", flush=True)
-    report["wall_s"] = time.perf_counter() - started
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    with open(args.doc, "w") as f:
-        f.write(render_markdown(report))
+        if result.get("ok") is False and "error" in result:
+            print(result["error"][-1500:], flush=True)
+        # after every section: a run killed later (a hang, the runner's time limit)
+        # still leaves the sections done so far
+        report["wall_s"] = time.perf_counter() - started
+        write_report()
     failed = [n for n, r in report["sections"].items() if r.get("ok") is False]
-    print(f"[gpu_check] wrote {args.doc} and {args.json}; failed: {failed or 'none'}")
+    print(f"[gpu_check] wrote {' and '.join(p for pair in targets for p in pair)}; "
+          f"failed: {failed or 'none'}")
     return 1 if failed else 0
 
 

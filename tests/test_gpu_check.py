@@ -50,3 +50,21 @@ def test_unknown_section_is_named(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sections", "nope"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+def test_the_report_is_copied_under_OUT_after_every_section(tmp_path):
+    """The device runner brings back only the files under $OUT: the report goes there too
+    (written after each section, so a run killed later keeps what was done)."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    doc, js = tmp_path / "gpu.md", tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--sections", "env",
+         "--doc", str(doc), "--json", str(js)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env=dict(os.environ, OUT=str(out_dir)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert doc.exists() and js.exists()
+    copied = json.loads((out_dir / "gpu.json").read_text())
+    assert copied["sections"]["env"]["ok"] is True
+    assert "## env: passed" in (out_dir / "gpu.md").read_text()
