@@ -29,14 +29,28 @@ Sections (each is independent: a failure is recorded and the next section runs):
 
 ``--device cpu`` runs the same checks on the CPU (the CuPy parts are skipped); the test
 suite does that with ``--quick`` so this script cannot rot between GPU sessions.
+
+Time limits: the device runner gives one command 10 minutes and brings back only what
+is under ``$OUT``, so the report is written after every section and the run plans for
+``--budget`` (480 s) in all. Each section has a limit (``SECTION_TIMEOUT_S``, 60-150 s;
+``--timeout NAME=SECONDS`` sets one), cut to what is left of the budget; a section with
+less than 10 s left is skipped (no verdict; the exit status is 1). Spawned ranks and
+commands (torchrun, the overhead benchmark) are killed at the limit, and the section is
+recorded as failed with ``timed_out``; a section that runs in this process is stopped
+by an alarm shortly after, where Python gets control back - a single CUDA call that
+never returns still holds the run until the runner's limit, with the earlier sections'
+report in place. The ranks' process-group timeout (``PG_TIMEOUT_S``, 90 s) is below
+the limits, so a hung collective normally fails with its traceback first.
 """
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -174,94 +188,291 @@ def check_topk_speed(device, quick):
     return {"ok": ok, "rows": rows, "target": "cupy >= 3x raw torch.topk at D >= 1e7"}
 
 
-# ------------------------------------------------------------------------------ hook
-def _hook_worker(rank, world_size, port, device_name, steps, out_dir):
-    """2 ranks, one device: reference check, rank agreement, timers, AMP fp16."""
-    import gc
+# ---------------------------------------------------------------------------- limits
+#: each section's limit in seconds (``--timeout NAME=SECONDS`` overrides one), several
+#: times what it should take on one GPU; a section past its limit is recorded as failed
+#: and the next one runs. Together they exceed the budget below, which bounds the run
+SECTION_TIMEOUT_S = {"env": 60, "topk": 120, "topk_speed": 90, "hook": 150,
+                     "profile": 150, "overhead": 150, "writeback": 60}
+#: the whole script's budget (``--budget``): the device runner allows one command of 10
+#: minutes, and the report must be written before it is killed. A section starts with at
+#: most what is left of it, and none starts with less than MIN_SECTION_S left
+BUDGET_S = 480
+MIN_SECTION_S = 10
 
+
+class SectionTimeout(Exception):
+    """A section ran past its limit (its processes, if any, were killed)."""
+
+
+#: (time.monotonic() at which the running section must end, its limit in seconds), set
+#: by main around each section; None: no limit (a section called directly)
+_limit = None
+
+
+def _time_left():
+    return None if _limit is None else max(0.0, _limit[0] - time.monotonic())
+
+
+def _limit_text():
+    return "its limit" if _limit is None else f"{_limit[1]:g} s"
+
+
+def _on_alarm(signum, frame):
+    raise SectionTimeout(f"did not finish within {_limit_text()} (stopped in the section's "
+                         "own process)")
+
+
+def _stop_alarm():
+    """Called before the processes of a section are killed (a bounded wait): the
+    backstop alarm must neither cut that short nor replace the timeout's message."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _spawn_ranks(worker, nprocs, args):
+    """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes; return their exit
+    codes. Ranks still running at the section's deadline are killed and SectionTimeout
+    raised: a hung collective must not eat the command's 10 minutes (``spawn``: a forked
+    rank would inherit this process's CUDA context)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = []
+    try:
+        for rank in range(nprocs):
+            proc = ctx.Process(target=worker, args=(rank,) + tuple(args), daemon=True)
+            proc.start()
+            procs.append(proc)
+        for proc in procs:
+            proc.join(_time_left())
+        hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        if hung:
+            raise SectionTimeout(f"rank(s) {hung} of {worker.__name__} did not finish within "
+                                 f"{_limit_text()} (killed)")
+        return [proc.exitcode for proc in procs]
+    finally:
+        alive = [proc for proc in procs if proc.is_alive()]
+        if alive:
+            _stop_alarm()
+        for proc in alive:
+            proc.kill()
+        for proc in alive:
+            proc.join(10)
+
+
+def _run_command(cmd, env, name):
+    """Run ``cmd`` in a session of its own until the section's deadline: ``(returncode,
+    output)``. Past the deadline the session gets SIGTERM (torchrun passes it on to its
+    workers, which it starts in sessions of their own), then SIGKILL, and SectionTimeout
+    is raised with the output's tail."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=_time_left())
+        return proc.returncode, output
+    except BaseException as exc:
+        _stop_alarm()
+        output = ""
+        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                output, _ = proc.communicate(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise SectionTimeout(f"{name} did not finish within {_limit_text()} (killed); "
+                                 "output tail:\n" + (output or "")[-2000:]) from None
+        raise
+
+
+# ---------------------------------------------------------------- hook: shared parts
+#: the reference checks' hook options. on_unapplied="keep": the checks run backward after
+#: backward with no optimizer step and compare each with the reference step; the hook
+#: would otherwise rewind those steps as gradients thrown away (as for a GAN)
+REFERENCE_OPTIONS = {"density": 0.01, "strategy": "layerwise", "allow_dense": False,
+                     "select": "model", "warmup_steps": 1, "log_every": 0,
+                     "on_unapplied": "keep"}
+
+#: the ranks' process-group timeout: below every section's limit, so that a hung
+#: collective ends as an error with its traceback before the section kills the rank
+PG_TIMEOUT_S = 90
+
+
+def _init_group(rank, world_size, port, backend, device):
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import omgs_hook
-    from reference_omgs import reference_step
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+
+
+def _make_net(device):
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                               torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                               torch.nn.Linear(512, 10)).to(device)
+
+
+def _ddp(device):
+    """The test net (seed 0: the same weights on every rank) in DDP; bucket_cap_mb=0
+    gives several buckets, so a merged group has several runs."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = _make_net(device)
+    ddp = DDP(model, bucket_cap_mb=0,
+              device_ids=[device.index] if device.type == "cuda" else None)
+    return model, ddp
+
+
+def _model_and_hook(device, **options):
+    import omgs_hook
+
+    model, ddp = _ddp(device)
+    return model, ddp, omgs_hook.register(ddp, **dict(REFERENCE_OPTIONS, **options))
+
+
+def _batch(seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 256, generator=gen).to(device)
+    y = torch.randint(0, 10, (32,), generator=gen).to(device)
+    return x, y
+
+
+def _reference_check(model, ddp, state, device, rank, world_size, steps):
+    """``steps`` backward passes through the hook, each against the independent reference
+    (``tests/reference_omgs.py``) from every rank's local gradient and residual: the
+    worst differences, conservation of error feedback, rank agreement, and per step
+    (hook's backward timers, synchronised wall seconds of forward + backward)."""
+    import torch.distributed as dist
+
+    from reference_omgs import reference_step
+
+    def gather(obj):
+        out = [None] * world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    worst = {"grad": 0.0, "residual": 0.0, "conservation": 0.0, "rank_disagreement": 0.0}
+    timer_pairs = []
+    for step in range(steps):
+        x, y = _batch(1000 * step + rank, device)
+        model.zero_grad()
+        ref_model = _make_net(device)  # same weights, no hook
+        ref_model.load_state_dict(model.state_dict())
+        torch.nn.functional.cross_entropy(ref_model(x), y).backward()
+        names = [n for n, _ in model.named_parameters()]
+        local = {n: p.grad.reshape(-1).float().cpu() for n, p in zip(names, ref_model.parameters())}
+        old = {k: v.reshape(-1).cpu() for k, v in state.memory.state_dict().items()}
+        all_local, all_old = gather(local), gather(old)
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        _sync(device)
+        wall = time.perf_counter() - t0
+        last = state.stats()["last"]
+        groups = list(zip(last["group_keys"], last["group_dense"]))
+        avg, new_res = reference_step(all_local, all_old, groups, last["step_density"])
+        got = {k: v.reshape(-1).cpu() for k, v in state.memory.state_dict().items()}
+        grads = {n: p.grad.reshape(-1).float().cpu() for n, p in model.named_parameters()}
+        all_grads, all_new = gather(grads), gather(got)
+        for n in names:
+            worst["grad"] = max(worst["grad"], float((grads[n] - avg[n].float()).abs().max()))
+            mine = got.get(n, torch.zeros_like(grads[n]))
+            worst["residual"] = max(worst["residual"],
+                                    float((mine - new_res[rank][n].float()).abs().max()))
+            lhs = sum(all_local[r][n] + all_old[r].get(n, 0.0) for r in range(world_size))
+            rhs = world_size * grads[n] + sum(all_new[r].get(n, torch.zeros_like(lhs))
+                                              for r in range(world_size))
+            worst["conservation"] = max(worst["conservation"], float((lhs - rhs).abs().max()))
+            for other in all_grads[1:]:
+                if not torch.equal(all_grads[0][n], other[n]):
+                    worst["rank_disagreement"] = max(
+                        worst["rank_disagreement"], float((all_grads[0][n] - other[n]).abs().max()))
+        timed = state.stats()["backward_s_per_unit"]
+        timer_pairs.append((sum(timed) if timed else None, wall))
+    return worst, timer_pairs
+
+
+def _reference_ok(worst):
+    return (worst["grad"] < 1e-5 and worst["residual"] < 1e-5 and worst["conservation"] < 1e-4
+            and worst["rank_disagreement"] == 0.0)
+
+
+def _amp_check(device, rank):
+    """AMP fp16 with a GradScaler (CUDA; plain fp32 on the CPU); step 4 gets an inf on
+    rank 0: the step must be skipped (every rank sees it non-finite) with the residual
+    kept and, under AMP, the scale lowered."""
+    model, ddp, state = _model_and_hook(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    amp = device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda", enabled=amp)
+    nonfinite_steps, kept = [], True
+    for step in range(8):
+        x, y = _batch(7 * step + rank, device)
+        if step == 4 and rank == 0:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        before = {k: v.clone() for k, v in state.memory.state_dict().items()}
+        with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        scale_before = scaler.get_scale() if amp else 1.0
+        scaler.scale(loss).backward()
+        nonfinite = state.stats()["last"]["nonfinite"]
+        if amp or not nonfinite:  # (without AMP nothing would skip the NaN step)
+            scaler.step(opt)
+            scaler.update()
+        if nonfinite:
+            nonfinite_steps.append(step)
+            after = state.memory.state_dict()
+            kept = kept and all(torch.equal(before[k], after[k]) for k in before)
+            if amp:
+                kept = kept and scaler.get_scale() < scale_before
+    state.close()
+    return {"enabled": amp, "nonfinite_steps": nonfinite_steps, "residual_kept": kept}
+
+
+def _amp_ok(amp):
+    return 4 in amp["nonfinite_steps"] and amp["residual_kept"]
+
+
+def _save_result(result, out_dir, rank):
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _rank_results(out_dir, exitcodes):
+    """Every rank's saved result, or (None, why) when a rank died without one (a CUDA
+    abort, a crash)."""
+    results = []
+    for rank, code in enumerate(exitcodes):
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        if not os.path.exists(path):
+            return None, f"rank {rank} exited with code {code} without writing its result"
+        results.append(torch.load(path, weights_only=False))
+    errors = [r["error"] for r in results if "error" in r]
+    return results, (errors[0][-3000:] if errors else None)
+
+
+# ------------------------------------------------------------------------------ hook
+def _hook_worker(rank, world_size, port, device_name, steps, out_dir):
+    """2 ranks, one device: reference check, rank agreement, timers, AMP fp16."""
+    import torch.distributed as dist
+
+    device = torch.device(device_name)
+    _init_group(rank, world_size, port, "gloo", device)
     result = {}
     try:
-        def gather(obj):
-            out = [None] * world_size
-            dist.all_gather_object(out, obj)
-            return out
-
-        def make_net():
-            return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
-                                       torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                       torch.nn.Linear(512, 10)).to(device)
-
-        def model_and_hook(extra=None):
-            torch.manual_seed(0)
-            model = make_net()
-            ddp = DDP(model, bucket_cap_mb=0,
-                      device_ids=[device.index] if device.type == "cuda" else None)
-            # on_unapplied="keep": the first check runs backward after backward with no
-            # optimizer step and compares each with the reference step; the hook would
-            # otherwise rewind those steps as gradients thrown away (as for a GAN)
-            options = {"density": 0.01, "strategy": "layerwise", "allow_dense": False,
-                       "select": "model", "warmup_steps": 1, "log_every": 0,
-                       "on_unapplied": "keep"}
-            options.update(extra or {})
-            return model, ddp, omgs_hook.register(ddp, **options)
-
         # 1. gradients against the reference, conservation, rank agreement, timers
-        model, ddp, state = model_and_hook()
-        worst = {"grad": 0.0, "residual": 0.0, "conservation": 0.0, "rank_disagreement": 0.0}
-        timer_pairs = []
-        for step in range(steps):
-            gen = torch.Generator().manual_seed(1000 * step + rank)
-            x = torch.randn(32, 256, generator=gen).to(device)
-            y = torch.randint(0, 10, (32,), generator=gen).to(device)
-            model.zero_grad()
-            ref_model = make_net()  # same weights, no hook
-            ref_model.load_state_dict(model.state_dict())
-            torch.nn.functional.cross_entropy(ref_model(x), y).backward()
-            names = [n for n, _ in model.named_parameters()]
-            local = {n: p.grad.reshape(-1).float().cpu() for n, p in zip(names, ref_model.parameters())}
-            old = {k: v.reshape(-1).cpu() for k, v in state.memory.state_dict().items()}
-            all_local, all_old = gather(local), gather(old)
-            _sync(device)
-            t0 = time.perf_counter()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            _sync(device)
-            wall = time.perf_counter() - t0
-            last = state.stats()["last"]
-            groups = list(zip(last["group_keys"], last["group_dense"]))
-            avg, new_res = reference_step(all_local, all_old, groups, last["step_density"])
-            got = {k: v.reshape(-1).cpu() for k, v in state.memory.state_dict().items()}
-            grads = {n: p.grad.reshape(-1).float().cpu() for n, p in model.named_parameters()}
-            all_grads, all_new = gather(grads), gather(got)
-            for n in names:
-                worst["grad"] = max(worst["grad"], float((grads[n] - avg[n].float()).abs().max()))
-                mine = got.get(n, torch.zeros_like(grads[n]))
-                worst["residual"] = max(worst["residual"],
-                                        float((mine - new_res[rank][n].float()).abs().max()))
-                lhs = sum(all_local[r][n] + all_old[r].get(n, 0.0) for r in range(world_size))
-                rhs = world_size * grads[n] + sum(all_new[r].get(n, torch.zeros_like(lhs))
-                                                  for r in range(world_size))
-                worst["conservation"] = max(worst["conservation"], float((lhs - rhs).abs().max()))
-                if not torch.equal(all_grads[0][n], all_grads[1][n]):
-                    worst["rank_disagreement"] = max(
-                        worst["rank_disagreement"],
-                        float((all_grads[0][n] - all_grads[1][n]).abs().max()))
-            if step >= 3:
-                timed = state.stats()["backward_s_per_unit"]
-                timer_pairs.append((sum(timed) if timed else None, wall))
+        model, ddp, state = _model_and_hook(device)
+        worst, timer_pairs = _reference_check(model, ddp, state, device, rank, world_size, steps)
+        timer_pairs = timer_pairs[3:]
         result["reference"] = worst
         # the hook's per-bucket backward timers (CUDA events on CUDA) against backward
         # alone, synchronised, without communication (inside no_sync)
@@ -288,60 +499,25 @@ def _hook_worker(rank, world_size, port, device_name, steps, out_dir):
         gc.collect()
 
         # 2. AMP fp16 with a GradScaler; step 4 gets an inf: skipped, residual kept
-        model, ddp, state = model_and_hook()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        amp = device.type == "cuda"
-        scaler = torch.amp.GradScaler("cuda", enabled=amp)
-        nonfinite_steps, kept = [], True
-        for step in range(8):
-            gen = torch.Generator().manual_seed(7 * step + rank)
-            x = torch.randn(32, 256, generator=gen).to(device)
-            y = torch.randint(0, 10, (32,), generator=gen).to(device)
-            if step == 4 and rank == 0:
-                x[0, 0] = float("inf")
-            opt.zero_grad()
-            before = {k: v.clone() for k, v in state.memory.state_dict().items()}
-            with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
-                loss = torch.nn.functional.cross_entropy(ddp(x), y)
-            scale_before = scaler.get_scale() if amp else 1.0
-            scaler.scale(loss).backward()
-            nonfinite = state.stats()["last"]["nonfinite"]
-            if amp or not nonfinite:  # (without AMP nothing would skip the NaN step)
-                scaler.step(opt)
-                scaler.update()
-            if nonfinite:
-                nonfinite_steps.append(step)
-                after = state.memory.state_dict()
-                kept = kept and all(torch.equal(before[k], after[k]) for k in before)
-                if amp:
-                    kept = kept and scaler.get_scale() < scale_before
-        result["amp"] = {"enabled": amp, "nonfinite_steps": nonfinite_steps, "residual_kept": kept}
-        state.close()
-        del ddp, state, model
-        gc.collect()
+        result["amp"] = _amp_check(device, rank)
     except Exception:  # noqa: BLE001 - reported
         result["error"] = traceback.format_exc()
     finally:
         gc.collect()
         dist.destroy_process_group()
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    _save_result(result, out_dir, rank)
 
 
 def check_hook(device, quick):
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_hook_worker, args=(2, _free_port(), str(device), 6 if quick else 12, tmp),
-                           nprocs=2, join=True, start_method="spawn")
-        results = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(2)]
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        return {"ok": False, "error": errors[0][-3000:]}
+        steps = 6 if quick else 12
+        codes = _spawn_ranks(_hook_worker, 2, (2, _free_port(), str(device), steps, tmp))
+        results, error = _rank_results(tmp, codes)
+    if error:
+        return {"ok": False, "error": error}
     worst = {k: max(r["reference"][k] for r in results) for k in results[0]["reference"]}
     amp = [r["amp"] for r in results]
-    ok = (worst["grad"] < 1e-5 and worst["residual"] < 1e-5 and worst["conservation"] < 1e-4
-          and worst["rank_disagreement"] == 0.0
-          and all(4 in a["nonfinite_steps"] and a["residual_kept"] for a in amp))
+    ok = _reference_ok(worst) and all(_amp_ok(a) for a in amp)
     return {"ok": ok, "reference_worst": worst, "timers": results[0]["timers"], "amp": amp}
 
 
@@ -353,12 +529,14 @@ def check_profile(device, quick):
                os.path.join(ROOT, "scripts", "profile.py"), "--out", out, "--backend", "gloo",
                "--device", device.type, "--no-plot", "--no-progress"]
         cmd += ["--quick"] if quick else ["--time-budget", "60"]
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), OMP_NUM_THREADS="1")
+        # (the ranks' process-group timeout: a hung collective fails them before the
+        # section's limit kills them)
+        cmd += ["--timeout", str(PG_TIMEOUT_S)]
         started = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        code, output = _run_command(cmd, _child_env(), "omgs-profile (torchrun)")
         wall = time.perf_counter() - started
-        if proc.returncode != 0:
-            return {"ok": False, "wall_s": wall, "error": (proc.stdout + proc.stderr)[-3000:]}
+        if code != 0:
+            return {"ok": False, "wall_s": wall, "error": output[-3000:]}
         from omgs_hook.profile_file import load_profile
 
         profile = load_profile(out)
@@ -371,13 +549,26 @@ def check_profile(device, quick):
 
 # -------------------------------------------------------------------------- overhead
 def check_overhead(device, quick):
-    import bench_hook_overhead
+    # as a command, not bench_hook_overhead.measure(): its ranks (a process group with a
+    # 600 s timeout) are then killed with it when it runs past the section's limit
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "overhead.json")
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_hook_overhead.py"),
+               "--sizes", "1e5" if quick else "1e6,12e6,50e6",
+               "--rounds", "2" if quick else "5", "--steps", "2" if quick else "4",
+               "--device", device.type, "--json", out]
+        code, output = _run_command(cmd, _child_env(), "bench_hook_overhead.py")
+        if code != 0:
+            return {"ok": False, "error": output[-3000:]}
+        with open(out) as f:
+            bench = json.load(f)
+    slim = [{k: v for k, v in r.items() if not k.endswith("steps_s")} for r in bench["results"]]
+    return {"ok": True, "rows": slim, "fused_pass": bench.get("fused_pass"),
+            "target": "<= 5 copy-equivalents per sparse group"}
 
-    sizes = [10**5] if quick else [10**6, 12 * 10**6, 50 * 10**6]
-    results = bench_hook_overhead.measure(sizes, rounds=2 if quick else 5,
-                                          steps=2 if quick else 4, device=device.type)
-    slim = [{k: v for k, v in r.items() if not k.endswith("steps_s")} for r in results]
-    return {"ok": True, "rows": slim, "target": "<= 5 copy-equivalents per sparse group"}
+
+def _child_env():
+    return dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), OMP_NUM_THREADS="1")
 
 
 def check_writeback(device, quick):
@@ -463,7 +654,24 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "gpu.md"))
     parser.add_argument("--json", default=os.path.join(ROOT, "docs", "gpu.json"))
+    parser.add_argument("--budget", type=float, default=BUDGET_S,
+                        help=f"seconds for the whole run (default {BUDGET_S}); a section "
+                             "starts with at most what is left")
+    parser.add_argument("--timeout", action="append", default=[], metavar="NAME=SECONDS",
+                        help="a section's limit in seconds instead of its default "
+                             "(repeatable)")
     args = parser.parse_args(argv)
+    limits = dict(SECTION_TIMEOUT_S)
+    for item in args.timeout:
+        name, _, seconds = item.partition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if name not in SECTIONS or not value > 0:
+            parser.error(f"--timeout {item!r}: expected NAME=SECONDS with NAME one of "
+                         f"{list(SECTIONS)} and SECONDS > 0")
+        limits[name] = value
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (use --device cpu for a dry run)")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -488,26 +696,51 @@ def main(argv=None):
             with open(doc_path, "w") as f:
                 f.write(render_markdown(report))
 
+    global _limit
     started = time.perf_counter()
+    skipped = []
+    previous_handler = signal.signal(signal.SIGALRM, _on_alarm)
     for name in wanted:
         t0 = time.perf_counter()
-        try:
-            result = SECTIONS[name](device, args.quick)
-        except Exception:  # noqa: BLE001 - recorded, next section runs
-            result = {"ok": False, "error": traceback.format_exc()[-3000:]}
+        budget_left = args.budget - (t0 - started)
+        limit = min(limits[name], budget_left)
+        if limit < min(MIN_SECTION_S, limits[name]):
+            result = {"ok": None, "skipped": f"not started: {budget_left:.0f} s of the run's "
+                                             f"budget of {args.budget:g} s were left"}
+            skipped.append(name)
+        else:
+            # ranks and commands end at the deadline (_spawn_ranks, _run_command); the
+            # alarm a little later stops a section that runs in this process, wherever
+            # Python gets control back (not inside one hung CUDA call)
+            _limit = (time.monotonic() + limit, round(limit, 1))
+            try:
+                try:
+                    signal.setitimer(signal.ITIMER_REAL, limit + min(3.0, limit))
+                    result = SECTIONS[name](device, args.quick)
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    _limit = None
+            except SectionTimeout as exc:
+                result = {"ok": False, "timed_out": True,
+                          "error": f"{name}: {exc}\n" + traceback.format_exc()[-2000:]}
+            except Exception:  # noqa: BLE001 - recorded, next section runs
+                result = {"ok": False, "error": traceback.format_exc()[-3000:]}
         result["section_s"] = round(time.perf_counter() - t0, 1)
+        result["limit_s"] = round(max(0.0, limit), 1)
         report["sections"][name] = result
-        print(f"[gpu_check] {name}: ok={result.get('ok')} ({result['section_s']} s)", flush=True)
+        print(f"[gpu_check] {name}: ok={result.get('ok')} ({result['section_s']} s"
+              f" of {result['limit_s']:g})", flush=True)
         if result.get("ok") is False and "error" in result:
             print(result["error"][-1500:], flush=True)
         # after every section: a run killed later (a hang, the runner's time limit)
         # still leaves the sections done so far
         report["wall_s"] = time.perf_counter() - started
         write_report()
+    signal.signal(signal.SIGALRM, previous_handler)
     failed = [n for n, r in report["sections"].items() if r.get("ok") is False]
     print(f"[gpu_check] wrote {' and '.join(p for pair in targets for p in pair)}; "
-          f"failed: {failed or 'none'}")
-    return 1 if failed else 0
+          f"failed: {failed or 'none'}; skipped: {skipped or 'none'}")
+    return 1 if failed or skipped else 0
 
 
 if __name__ == "__main__":
