@@ -22,13 +22,27 @@ Sections (each is independent: a failure is recorded and the next section runs):
                holding bit-identical averaged gradients, the CUDA-event backward timers
                against a synchronised wall-clock measurement, and AMP fp16 with a
                ``GradScaler`` (an injected inf step must be skipped with the residual kept).
+``nccl``       the hook on the NCCL backend: ONE rank on GPU 0 (world size 1), so that
+               every collective of the hook, its statistics, the planner's agreement
+               checks and the measured-selection trial goes through NCCL, which raises
+               for a CPU tensor where gloo takes it. Gradients and residuals against the
+               reference with ``strategy="single"`` (one sparse group of several
+               buckets) and conservation; timed training steps against DDP's own
+               all-reduce, with the hook's host seconds (``stats()["last"]["hook_s"]``)
+               and the host seconds of ``backward()`` as shares of the step, and the
+               host-device synchronisations per ``backward()`` (CUDA's sync debug mode:
+               count and source lines, the hook's and plain DDP's), recorded, no
+               verdict; ``register(ddp, density=0.01)`` with every other option at its
+               default for 120 steps (the trial must finish, the gradients stay
+               finite); the AMP check of ``hook``.
 ``profile``    ``omgs-profile`` on CUDA tensors (2 ranks, gloo), with a small time budget;
                the written profile must load.
 ``overhead``   ``scripts/bench_hook_overhead.py`` on the device: the hook's own cost per
                step in copy-equivalents against a no-op hook.
 
-``--device cpu`` runs the same checks on the CPU (the CuPy parts are skipped); the test
-suite does that with ``--quick`` so this script cannot rot between GPU sessions.
+``--device cpu`` runs the same checks on the CPU (the CuPy parts are skipped; ``nccl``
+runs on gloo, without the synchronisation count); the test suite does that with
+``--quick`` so this script cannot rot between GPU sessions.
 
 Time limits: the device runner gives one command 10 minutes and brings back only what
 is under ``$OUT``, so the report is written after every section and the run plans for
@@ -192,7 +206,7 @@ def check_topk_speed(device, quick):
 #: each section's limit in seconds (``--timeout NAME=SECONDS`` overrides one), several
 #: times what it should take on one GPU; a section past its limit is recorded as failed
 #: and the next one runs. Together they exceed the budget below, which bounds the run
-SECTION_TIMEOUT_S = {"env": 60, "topk": 120, "topk_speed": 90, "hook": 150,
+SECTION_TIMEOUT_S = {"env": 60, "topk": 120, "topk_speed": 90, "hook": 150, "nccl": 150,
                      "profile": 150, "overhead": 150, "writeback": 60}
 #: the whole script's budget (``--budget``): the device runner allows one command of 10
 #: minutes, and the report must be written before it is killed. A section starts with at
@@ -289,7 +303,7 @@ def _run_command(cmd, env, name):
         raise
 
 
-# ---------------------------------------------------------------- hook: shared parts
+# --------------------------------------------------------------- hook and nccl: shared
 #: the reference checks' hook options. on_unapplied="keep": the checks run backward after
 #: backward with no optimizer step and compare each with the reference step; the hook
 #: would otherwise rewind those steps as gradients thrown away (as for a GAN)
@@ -449,7 +463,7 @@ def _save_result(result, out_dir, rank):
 
 def _rank_results(out_dir, exitcodes):
     """Every rank's saved result, or (None, why) when a rank died without one (a CUDA
-    abort, a crash)."""
+    abort, NCCL's watchdog tearing the process down)."""
     results = []
     for rank, code in enumerate(exitcodes):
         path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -519,6 +533,196 @@ def check_hook(device, quick):
     amp = [r["amp"] for r in results]
     ok = _reference_ok(worst) and all(_amp_ok(a) for a in amp)
     return {"ok": ok, "reference_worst": worst, "timers": results[0]["timers"], "amp": amp}
+
+
+# ------------------------------------------------------------------------------ nccl
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _timed_steps(model, ddp, state, device, steps):
+    """``steps`` training steps (SGD), each synchronised at its end: the step's wall
+    seconds, the host seconds of ``backward()`` alone (kernel launches plus whatever the
+    host waited for) and the hook's own host seconds (``stats()["last"]["hook_s"]``).
+    Medians over the steps after the first two."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rows = []
+    for step in range(steps):
+        x, y = _batch(31 * step, device)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        _sync(device)
+        rows.append((time.perf_counter() - t0, t2 - t1,
+                     state.stats()["last"]["hook_s"] if state is not None else None))
+    warm = rows[2:] or rows
+    return {"step_s": [round(r[0], 6) for r in rows],
+            "step_s_median": _median(r[0] for r in warm),
+            "backward_host_s_median": _median(r[1] for r in warm),
+            "hook_s_median": _median(r[2] for r in warm)}
+
+
+def _count_syncs(model, ddp, device, steps):
+    """Host-device synchronisations inside ``backward()`` per step (CUDA's sync debug
+    mode warns at each), and where they were issued: the Python line that called the
+    synchronising op (the hook runs on autograd's thread; its warnings carry its frame);
+    DDP's own C++ ones show as this file's ``backward()`` line. ``probe_seen``: a
+    gradient hook that calls ``.item()`` (autograd's thread, as the comm hook) was
+    counted - without it a count of 0 means nothing. None on the CPU."""
+    import collections
+    import warnings
+
+    if device.type != "cuda":
+        return None
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def backward_counted(loss):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        opt.step()
+        opt.zero_grad()
+        return [w for w in caught if "synchroniz" in str(w.message)]
+
+    x, y = _batch(57, device)
+    out = ddp(x)
+    probe = lambda grad: grad if grad.sum().item() is not None else grad  # noqa: E731
+    out.register_hook(probe)
+    hits = backward_counted(torch.nn.functional.cross_entropy(out, y))
+    line = (os.path.abspath(probe.__code__.co_filename), probe.__code__.co_firstlineno)
+    probe_seen = any((os.path.abspath(w.filename), w.lineno) == line for w in hits)
+    per_step, where = [], collections.Counter()
+    for step in range(steps):
+        x, y = _batch(57 * step + 1, device)
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        _sync(device)
+        hits = backward_counted(loss)
+        per_step.append(len(hits))
+        where.update(f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in hits)
+    return {"probe_seen": probe_seen, "per_step": per_step, "where": where.most_common(12)}
+
+
+def _measured_run(device, steps):
+    """``register(ddp, density=0.01)`` with every other option at its default: dense
+    warm-up, the model plan and the measured-selection trial (its gathers, the planner's
+    agreement checks, the background plan's readiness probe), dense groups where the
+    plan says so; then ``stats()``, ``summary()`` and ``state_dict()``."""
+    import omgs_hook
+
+    model, ddp = _ddp(device)
+    state = omgs_hook.register(ddp, density=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    walls, finite = [], True
+    for step in range(steps):
+        x, y = _batch(13 * step, device)
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        _sync(device)
+        walls.append(time.perf_counter() - t0)
+        finite = finite and all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        opt.zero_grad()
+    stats = state.stats()
+    state.summary()
+    state.state_dict()
+    trial = stats["selection"]["last_trial"]
+    out = {"steps": steps, "finite": finite, "trial_finished": trial is not None,
+           "trials": stats["total"]["trials"], "replans": stats["total"]["replans"],
+           "winner": trial["winner"] if trial else None,
+           "candidates": [c["name"] for c in trial["candidates"]] if trial else None,
+           "plan": {k: stats["plan"][k] for k in ("strategy", "groups", "dense")}
+           if stats["plan"] else None,
+           "step_s_median_last_10": _median(walls[-10:]),
+           "hook_s_last": stats["last"]["hook_s"] if stats["last"] else None}
+    state.close()
+    return out
+
+
+def _nccl_worker(rank, world_size, port, device_name, backend, quick, out_dir):
+    """One rank on the backend: the reference with merged groups, timed steps against
+    DDP's own all-reduce, synchronisations per backward, the default (measured) options,
+    AMP. Any CPU tensor handed to an NCCL collective raises here."""
+    import torch.distributed as dist
+
+    device = torch.device(device_name)
+    _init_group(rank, world_size, port, backend, device)
+    steps = 6 if quick else 20
+    result = {"backend": dist.get_backend()}
+    try:
+        # 1. the reference, "single": every bucket in one sparse group of several runs
+        model, ddp, state = _model_and_hook(device, strategy="single")
+        worst, pairs = _reference_check(model, ddp, state, device, rank, world_size, steps)
+        result["reference"] = worst
+        result["reference_step_s"] = [round(wall, 6) for _, wall in pairs]
+        # 2. training steps with the hook, then the same with DDP's own all-reduce
+        result["timing"] = {"omgs": _timed_steps(model, ddp, state, device, steps),
+                            "syncs_in_backward": _count_syncs(model, ddp, device, 3)}
+        state.close()
+        del model, ddp, state
+        gc.collect()
+        model, ddp = _ddp(device)
+        result["timing"]["ddp_allreduce"] = _timed_steps(model, ddp, None, device, steps)
+        result["timing"]["ddp_syncs_in_backward"] = _count_syncs(model, ddp, device, 3)
+        del model, ddp
+        gc.collect()
+        # 3. the defaults: the trial and its collectives on the backend
+        result["measured"] = _measured_run(device, 120)
+        gc.collect()
+        # 4. the non-finite path (its flag travels in the payload) under AMP
+        result["amp"] = _amp_check(device, rank)
+    except Exception:  # noqa: BLE001 - reported
+        result["error"] = traceback.format_exc()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+    _save_result(result, out_dir, rank)
+
+
+def check_nccl(device, quick):
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and not dist.is_nccl_available():
+        return {"ok": False, "error": "this torch build has no NCCL"}
+    with tempfile.TemporaryDirectory() as tmp:
+        codes = _spawn_ranks(_nccl_worker, 1, (1, _free_port(), str(device), backend, quick, tmp))
+        results, error = _rank_results(tmp, codes)
+    if error:
+        return {"ok": False, "backend": backend, "error": error}
+    r = results[0]
+    measured = r["measured"]
+    timing = r["timing"]
+    omgs, plain = timing["omgs"], timing["ddp_allreduce"]
+    # does the hook hold the host? its share of the step, and the syncs it adds
+    blocking = {
+        "hook_s_over_step_s": omgs["hook_s_median"] / omgs["step_s_median"]
+        if omgs["hook_s_median"] is not None and omgs["step_s_median"] else None,
+        "backward_host_s_over_step_s": omgs["backward_host_s_median"] / omgs["step_s_median"]
+        if omgs["step_s_median"] else None,
+        "ddp_backward_host_s_over_step_s": plain["backward_host_s_median"] / plain["step_s_median"]
+        if plain["step_s_median"] else None,
+    }
+    if timing["syncs_in_backward"] is not None:
+        blocking["sync_count_works"] = timing["syncs_in_backward"]["probe_seen"]
+        blocking["syncs_per_backward"] = timing["syncs_in_backward"]["per_step"]
+        blocking["ddp_syncs_per_backward"] = timing["ddp_syncs_in_backward"]["per_step"]
+        blocking["syncs_where"] = timing["syncs_in_backward"]["where"]
+    ok = (_reference_ok(r["reference"]) and measured["trial_finished"] and measured["finite"]
+          and _amp_ok(r["amp"]))
+    return {"ok": ok, "backend": r["backend"], "reference_worst": r["reference"],
+            "measured": measured, "amp": r["amp"], "blocking": blocking, "timing": timing,
+            "reference_step_s": r["reference_step_s"]}
 
 
 # --------------------------------------------------------------------------- profile
@@ -613,8 +817,8 @@ def check_writeback(device, quick):
 
 
 SECTIONS = {"env": check_env, "topk": check_topk, "topk_speed": check_topk_speed,
-            "hook": check_hook, "profile": check_profile, "overhead": check_overhead,
-            "writeback": check_writeback}
+            "hook": check_hook, "nccl": check_nccl, "profile": check_profile,
+            "overhead": check_overhead, "writeback": check_writeback}
 
 
 # ---------------------------------------------------------------------------- report
@@ -641,6 +845,20 @@ def render_markdown(report):
             for r in result["rows"]:
                 lines.append(f"| {r['numel']:.0e} | {r['copy_s'] * 1e3:.3f} | {r['noop_step_s'] * 1e3:.2f} "
                              f"| {r['omgs_step_s'] * 1e3:.2f} | {r['overhead_copies']:.2f} |")
+            lines.append("")
+        elif name == "nccl" and "timing" in result:
+            lines += [f"Backend {result['backend']}, one rank. Medians of the timed steps:", "",
+                      "| | step (ms) | backward() on the host (ms) | hook body (ms) | "
+                      "syncs per backward() |", "|---|---|---|---|---|"]
+            blocking = result["blocking"]
+            rows = (("OMGS", "omgs", "syncs_per_backward"),
+                    ("DDP all-reduce", "ddp_allreduce", "ddp_syncs_per_backward"))
+            for label, key, syncs in rows:
+                t = result["timing"][key]
+                hook = f"{t['hook_s_median'] * 1e3:.3f}" if t["hook_s_median"] is not None else "-"
+                lines.append(f"| {label} | {t['step_s_median'] * 1e3:.3f} | "
+                             f"{t['backward_host_s_median'] * 1e3:.3f} | {hook} | "
+                             f"{blocking.get(syncs, '-')} |")
             lines.append("")
         lines += ["```", json.dumps(body, indent=1, default=str)[:4000], "```", ""]
     return "\n".join(lines)

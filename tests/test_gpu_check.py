@@ -22,7 +22,8 @@ def test_cpu_dry_run_passes_and_writes_the_report(tmp_path):
     doc, out = tmp_path / "gpu.md", tmp_path / "gpu.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--quick",
-         "--sections", "topk,topk_speed,hook,writeback", "--doc", str(doc), "--json", str(out)],
+         "--sections", "topk,topk_speed,hook,nccl,writeback", "--doc", str(doc),
+         "--json", str(out)],
         capture_output=True, text=True, timeout=280, cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -33,11 +34,21 @@ def test_cpu_dry_run_passes_and_writes_the_report(tmp_path):
     assert hook["ok"] is True, hook
     assert hook["reference_worst"]["rank_disagreement"] == 0.0
     assert all(4 in a["nonfinite_steps"] and a["residual_kept"] for a in hook["amp"])
+    # the NCCL section's code on gloo: one rank, the reference, the defaults' trial
+    nccl = sections["nccl"]
+    assert nccl["ok"] is True and nccl["backend"] == "gloo", nccl
+    assert nccl["reference_worst"]["conservation"] < 1e-4
+    assert nccl["measured"]["trial_finished"] and len(nccl["measured"]["candidates"]) >= 2
+    assert 4 in nccl["amp"]["nonfinite_steps"] and nccl["amp"]["residual_kept"]
+    timing = nccl["timing"]
+    assert timing["omgs"]["hook_s_median"] > 0 and timing["ddp_allreduce"]["step_s_median"] > 0
+    assert timing["syncs_in_backward"] is None  # CUDA only
     writeback = sections["writeback"]
     assert writeback["ok"] is True and writeback["elements_differing_from_cpu"] == 0
     assert [row["runs"] for row in writeback["timing"]] == [1, 16, 256]
     text = doc.read_text()
     assert "## hook: passed" in text and "## topk_speed" in text
+    assert "## nccl: passed" in text and "| DDP all-reduce |" in text
 
 
 @pytest.mark.multiprocess
