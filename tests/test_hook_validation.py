@@ -197,6 +197,25 @@ def test_sparse_gradient_embedding_is_rejected_at_construction():
         OMGSState(module=Net(sparse=True))
 
 
+def test_frozen_sparse_embedding_is_accepted():
+    """A frozen sparse table produces no gradient (DDP gives it no bucket, and plain DDP
+    trains such a model), so it must not be refused as a sparse-gradient module."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding.from_pretrained(torch.randn(10, 4), freeze=True,
+                                                      sparse=True)
+            self.bag = nn.EmbeddingBag(10, 4, sparse=True)
+            self.bag.weight.requires_grad_(False)
+            self.head = nn.Linear(4, 2)
+
+    OMGSState(module=Net())
+    net = Net()
+    net.table.weight.requires_grad_(True)  # now it does produce sparse gradients
+    with pytest.raises(ValueError, match=r"'table'.*sparse=True"):
+        OMGSState(module=net)
+
+
 def sparse_gradient_worker(rank, world_size):
     """A hook registered without its module (so nothing was checked up front) meets a
     sparse-gradient bucket: a clear error names the parameter, no KeyError."""

@@ -906,8 +906,11 @@ class OMGSState:
     # ------------------------------------------------------------------ set-up helpers
     def _index_module(self, module):
         for name, sub in module.named_modules():
+            # a frozen table (Embedding.from_pretrained(..., freeze=True, sparse=True))
+            # produces no gradient at all: DDP gives it no bucket, so it is no obstacle
             if getattr(sub, "sparse", False) is True and isinstance(
-                    sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+                    sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and any(
+                    p.requires_grad for p in sub.parameters(recurse=False)):
                 raise ValueError(
                     f"module {name!r} ({type(sub).__name__}(sparse=True)) produces sparse "
                     "gradients, which OMGS cannot sparsify and DDP gives no comm hook a "
