@@ -16,7 +16,7 @@ from test_hook_ddp import Net, batch, gather, loss_fn, train_steps
 pytestmark = pytest.mark.multiprocess
 
 
-def clip_worker(rank, world_size, clip):
+def clip_worker(rank, world_size, clip, scale=1.0):
     torch.manual_seed(0)
     model, reference = Net(), Net()
     reference.load_state_dict(model.state_dict())
@@ -24,9 +24,9 @@ def clip_worker(rank, world_size, clip):
     state = omgs_hook.register(ddp, density=0.05, strategy="layerwise", allow_dense=False,
                                select="model", warmup_steps=1, local_clip_norm=clip)
     x, y = batch(0, rank)
-    loss_fn(reference(x), y).backward()
+    (loss_fn(reference(x), y) * scale).backward()
     local = {n: p.grad.reshape(-1).clone() for n, p in reference.named_parameters()}
-    loss_fn(ddp(x), y).backward()  # step 0: the dense warm-up, one bucket of everything
+    (loss_fn(ddp(x), y) * scale).backward()  # step 0: the dense warm-up, one bucket of everything
     got = {n: p.grad.reshape(-1).clone() for n, p in model.named_parameters()}
     keys = state.stats()["last"]["group_keys"]
     all_local = gather(local, world_size)
@@ -58,6 +58,17 @@ def test_local_clipping_scales_each_ranks_gradient_before_it_is_averaged(clip):
         assert worst < 1e-7
         if clip < 1:  # clipped: the average's norm is bounded by clip / sqrt(W)
             assert norm <= clip / math.sqrt(2) * (1 + 1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_local_clipping_clips_a_huge_finite_gradient_instead_of_dropping_it():
+    """Gradients of about 1e20 (finite, norm far below fp32's 3.4e38) are clipped to the
+    threshold like any other. Their fp32 sum of squares overflows: the clip factor was
+    threshold / inf = 0, and the whole gradient was dropped, residual included."""
+    for worst, norm in run_ranks("test_hook_extras", "clip_worker", world_size=2, timeout=100,
+                                 clip=1.0, scale=1e20):
+        assert worst < 1e-7
+        assert 0.01 < norm <= 1.0 / math.sqrt(2) * (1 + 1e-5)
 
 
 def extras_worker(rank, world_size, png):

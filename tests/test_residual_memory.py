@@ -343,3 +343,16 @@ def test_scatter_average_per_payload_equals_the_cpu_paths_bit_for_bit(seed, dtyp
         expected = _reference_average(indices, values, 1 / world, numel)
         assert torch.allclose(results[1][5:numel + 5].double(), expected.to(dtype).double(),
                               atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_squared_norm_of_huge_finite_values_is_finite():
+    """fp32 row norms overflow from about 1.8e19 per element; the norm of such a tensor
+    is still finite (its square too, in fp64) and must not read as inf. An inf in the
+    tensor still gives inf, a NaN NaN."""
+    values = torch.full((1000,), 3e20)
+    expected = 1000 * 3e20 ** 2
+    assert math.isclose(float(squared_norm(values)), expected, rel_tol=1e-6)
+    values[7] = float("inf")
+    assert math.isinf(float(squared_norm(values)))
+    values[7] = float("nan")
+    assert math.isnan(float(squared_norm(values)))

@@ -327,7 +327,7 @@ class StepExchange:
             if grad_sq is None:
                 grad_sq = _sum_of_squares(segments)
             if factor is not None:
-                grad_sq = grad_sq * factor.square()
+                grad_sq = grad_sq * factor.double().square()  # (fp32: subnormal below 1e-19)
             self.health.append([grad_sq, None])
         return buffers, segments
 
@@ -339,7 +339,8 @@ class StepExchange:
             return None, None
         grad_sq = _sum_of_squares(segments)
         threshold = self.clip_per_sqrt_element * numel ** 0.5
-        factor = (threshold / grad_sq.sqrt().clamp_min(1e-30)).clamp(max=1.0)
+        # in fp64, rounded once to the fp32 the gradient is scaled with
+        factor = (threshold / grad_sq.sqrt().clamp_min(1e-30)).clamp(max=1.0).float()
         return factor, grad_sq
 
     def _send_dense_inplace(self, keys, numel, bucket_index):
@@ -424,7 +425,7 @@ class StepExchange:
             payload = communicator.pack_sparse(values, indices, nonfinite=status)
             acc.index_fill_(0, indices, 0.0)  # what was sent leaves the residual
         if self.measure_health:
-            self.health[-1][1] = squared_norm(acc).float()
+            self.health[-1][1] = squared_norm(acc)
         if self.track_staleness:
             ages = self.memory.group_ages(buffers)
             ages.add_(1)
@@ -824,10 +825,11 @@ def _range(stage, group):
 
 
 def _sum_of_squares(segments):
-    """Sum of squares of the gradient runs, in fp32, as a 0-d tensor (no host sync).
-    Each run's is :func:`~omgs_hook.residual_memory.squared_norm` (summed in fp64): one
-    fp32 ``vector_norm`` over a run of 12M elements was off by 1e-3."""
-    return torch.stack([squared_norm(grad) for _, _, grad in segments]).sum().float()
+    """Sum of squares of the gradient runs, in fp64, as a 0-d tensor (no host sync on
+    CUDA). Each run's is :func:`~omgs_hook.residual_memory.squared_norm` (summed in
+    fp64): one fp32 ``vector_norm`` over a run of 12M elements was off by 1e-3. Kept in
+    fp64: a squared norm above 3.4e38 (a norm above 1.8e19) is inf in fp32."""
+    return torch.stack([squared_norm(grad) for _, _, grad in segments]).sum()
 
 
 def _offset_in(grad, buffer):

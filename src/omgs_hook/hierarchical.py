@@ -147,7 +147,7 @@ def dense_group(ex, keys, numel, record):
             if grad_sq is None:
                 grad_sq = _sum_of_squares(segments)
             if factor is not None:
-                grad_sq = grad_sq * factor.square()
+                grad_sq = grad_sq * factor.double().square()  # (fp32: subnormal below 1e-19)
             ex.health.append([grad_sq, source.new_zeros(())])  # everything is sent
     work, complete = communicator.start_shard_sum(shard, source, groups.intra,
                                                   scratch.receive_buffer())
@@ -248,7 +248,7 @@ def sparse_group(ex, keys, numel, record):
     for s_start, n in parked:  # ... and the parked residual is kept on top of what is left
         acc[s_start:s_start + n] += current[s_start:s_start + n]
     if ex.measure_health:
-        ex.health[-1][1] = squared_norm(acc).float()
+        ex.health[-1][1] = squared_norm(acc)
     gathered = payload.new_empty(N * payload.numel())
     inter_issued = time.perf_counter()
     work = communicator.all_gather_flat(gathered, payload, group=groups.inter, async_op=True)

@@ -166,7 +166,14 @@ def squared_norm(tensor):
     ``square().sum()`` (which allocates a tensor of the same size) and 1e-3 for one fp32
     ``vector_norm`` over the whole tensor; at most 1e-6 in the tests, with values
     spanning 8 orders of magnitude. fp64 tensors are normed in fp64. Deterministic for
-    a given tensor."""
+    a given tensor.
+
+    An fp32 row norm sums its squares in fp32, which overflows from about 1.8e19 in one
+    element although every value and the norm itself are finite: on the CPU such a sum
+    (inf) is computed again in fp64, so that a huge but finite gradient is not read as
+    an infinite norm - ``local_clip_norm``'s factor was ``threshold / inf = 0`` there,
+    which dropped the gradient instead of clipping it. (A host read of one number,
+    free on the CPU; on CUDA it would synchronise, so the fp32 sum stands there.)"""
     flat = tensor.detach().reshape(-1)
     if flat.dtype == torch.float64:
         return torch.linalg.vector_norm(flat).square()
@@ -178,6 +185,9 @@ def squared_norm(tensor):
         total = total + rows.double().square().sum()
     if whole < flat.numel():
         total = total + torch.linalg.vector_norm(flat[whole:], dtype=torch.float64).square()
+    if flat.device.type == "cpu" and math.isinf(float(total)):
+        # overflowed in fp32, or an inf in the tensor (then this is inf again)
+        total = torch.linalg.vector_norm(flat, dtype=torch.float64).square()
     return total
 
 
