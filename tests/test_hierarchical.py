@@ -149,13 +149,21 @@ def two_level_reference(local, old, groups, density, per_node, parked=(), clip_n
 # ----------------------------------------------------------------------------- workers
 def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumulate=False,
                      skip_b_on_odd_steps=False, env_local_world_size=None, dtype=torch.float32,
-                     preload=None, nonfinite_step=None, skip_b_parity=1, report_instance=False):
+                     preload=None, nonfinite_step=None, skip_b_parity=1, report_instance=False,
+                     health_every=None):
     """``preload``: ``{"options": hook options, "steps": n}`` - train n steps with another
     hook state first and load its ``state_dict()`` (per-parameter residuals) into this
     one. ``nonfinite_step``: at that step rank 3's input holds inf (checked, not
     compared with the reference, no optimiser step). ``report_instance``: return the
-    hierarchy of the instance the hook plans with (``measured_instance()``, collective)."""
+    hierarchy of the instance the hook plans with (``measured_instance()``, collective).
+    ``health_every``: measure the error-feedback health figures every this many steps
+    (``HEALTH_EVERY``); each step's per-group ``||gradient||^2`` is returned with the
+    reference's (after its clipping), as ``health`` in the step's record."""
     from omgs_hook import hierarchical
+    from omgs_hook import hook as hook_module
+
+    if health_every is not None:
+        hook_module.HEALTH_EVERY = health_every
 
     if env_local_world_size is not None:
         os.environ["LOCAL_WORLD_SIZE"] = str(env_local_world_size)
@@ -222,6 +230,7 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
                  for n, p in reference_model.named_parameters()}
         old = flat_residuals(state)
         all_local, all_old = gather(local), gather(old)
+        state._health = None  # (set again by a step that measures it)
         opt.zero_grad()
         if accumulate:
             with ddp.no_sync():
@@ -263,6 +272,13 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
         # conservation with the hook's own outputs: sum(local + old) == W * avg + sum(new)
         # (local: after the reference's clipping, when local_clip_norm is on)
         scale = {n: f for names, _, f in clip_factors[clipped_before:] for n in names}
+        health = None
+        if state._health is not None:
+            # the hook's per-group ||gradient||^2 against the reference's clipped gradient
+            health = [(float(got_sq), sum(float(local[n].double().square().sum())
+                                          * scale.get(n, [1.0] * world_size)[rank] ** 2
+                                          for n in keys))
+                      for (got_sq, _), (keys, _) in zip(state._health[1], groups)]
         all_new = gather(got)
         for name, p in model.named_parameters():
             if p.grad is None:
@@ -286,7 +302,8 @@ def reference_worker(rank, world_size, hook_options, ddp_options, steps, accumul
                          "dense_old_mass": {n: sum(float(all_old[r][n].abs().sum())
                                                    for r in range(world_size) if n in all_old[r])
                                             for keys, d in groups if d for n in keys},
-                         "residual_mass": sum(float(v.abs().sum()) for v in got.values())})
+                         "residual_mass": sum(float(v.abs().sum()) for v in got.values()),
+                         "health": health})
         opt.step()
     params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     planned = None
@@ -580,11 +597,18 @@ def test_two_level_dense_groups_clip_the_local_gradient_as_the_reference_says():
                         hook_options=dict(common, plan=mixed_plan, local_clip_norm=0.3),
                         ddp_options={"find_unused_parameters": True}, steps=4,
                         skip_b_on_odd_steps=True, skip_b_parity=0,
-                        preload={"options": dict(common, plan=sparse_plan), "steps": 3})
+                        preload={"options": dict(common, plan=sparse_plan), "steps": 3},
+                        health_every=1)
     _check_reference(results)
     for r in results:
         steps = r["per_step"]
         assert [s["dense"] for s in steps] == [3] * 4, steps
+        # the health figure measures the clipped gradient, on the dense and on the sparse
+        # two-level path alike (the sparse one measured it before clipping until 2026-12-06)
+        measured = [pair for s in steps if s["health"] for pair in s["health"]]
+        assert len(measured) == 4 * 4, steps
+        for got_sq, want_sq in measured:
+            assert got_sq == pytest.approx(want_sq, rel=1e-5), measured
         assert steps[0]["residual_mass"] > 0
         dense_factors = [f for _, dense, scale in r["clip_factors"] if dense for f in scale]
         assert len(dense_factors) == 4 * 3 * WORLD

@@ -324,11 +324,7 @@ class StepExchange:
                 residual = None if src is None else (current[o:o + n] if src is CURRENT else src)
                 put(spare[o:o + n], self.arrived[key][1], residual)
         if self.measure_health:
-            if grad_sq is None:
-                grad_sq = _sum_of_squares(segments)
-            if factor is not None:
-                grad_sq = grad_sq * factor.double().square()  # (fp32: subnormal below 1e-19)
-            self.health.append([grad_sq, None])
+            self.health.append([sent_gradient_sq(segments, grad_sq, factor), None])
         return buffers, segments
 
     def _clip_factor(self, segments, numel):
@@ -822,6 +818,19 @@ def _range(stage, group):
     if not torch.autograd._profiler_enabled():
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"omgs/{stage}[g{group}]")
+
+
+def sent_gradient_sq(segments, grad_sq=None, factor=None):
+    """The health figure's ``||local gradient||^2`` of a group: of the gradient as it
+    enters the exchange, so after ``local_clip_norm``'s ``factor`` where it clips (every
+    exchange path measures the same thing). ``grad_sq``: the unclipped figure where the
+    clipping already computed it. In fp64 (the factor squared in fp32 goes subnormal
+    below 1e-19)."""
+    if grad_sq is None:
+        grad_sq = _sum_of_squares(segments)
+    if factor is not None:
+        grad_sq = grad_sq * factor.double().square()
+    return grad_sq
 
 
 def _sum_of_squares(segments):

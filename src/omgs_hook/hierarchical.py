@@ -75,7 +75,7 @@ import torch.distributed as dist
 
 from . import communicator
 from .cost_model import selected_k
-from .group_exchange import _scatter_average, _sum_of_squares
+from .group_exchange import _scatter_average, _sum_of_squares, sent_gradient_sq
 from .residual_memory import squared_norm
 
 
@@ -144,11 +144,8 @@ def dense_group(ex, keys, numel, record):
             o = offsets[key]
             source[o:o + ex.arrived[key][1].numel()] += memory.get(key)
         if ex.measure_health:
-            if grad_sq is None:
-                grad_sq = _sum_of_squares(segments)
-            if factor is not None:
-                grad_sq = grad_sq * factor.double().square()  # (fp32: subnormal below 1e-19)
-            ex.health.append([grad_sq, source.new_zeros(())])  # everything is sent
+            ex.health.append([sent_gradient_sq(segments, grad_sq, factor),
+                              source.new_zeros(())])  # everything is sent
     work, complete = communicator.start_shard_sum(shard, source, groups.intra,
                                                   scratch.receive_buffer())
     yield work
@@ -212,7 +209,8 @@ def sparse_group(ex, keys, numel, record):
     segments = ex._segments(keys)
     factor, grad_sq = ex._clip_factor(segments, numel)
     if ex.measure_health:
-        ex.health.append([grad_sq if grad_sq is not None else _sum_of_squares(segments), None])
+        # (after clipping, as the flat exchange measures it)
+        ex.health.append([sent_gradient_sq(segments, grad_sq, factor), None])
     if (factor is None and not foreign and len(segments) == 1 and numel == L * size
             and segments[0][2].dtype == torch.float32 and segments[0][2].is_contiguous()):
         # one fp32 run of the bucket buffer, no padding: reduce-scatter it where it lies
