@@ -150,3 +150,58 @@ def test_an_explicit_two_level_exchange_on_a_subgroup_is_refused_on_every_rank()
                         topology="hierarchical")
     for r in results:
         assert "topology='hierarchical'" in r["error"] and "Pass topology='flat'" in r["error"]
+
+
+def rank_zero_checkpoint_worker(rank, world_size, path):
+    """Two replica groups, [0, 1] and [2, 3]; global rank 0 alone writes the hook's state
+    (the usual pattern for model weights) and every rank loads it."""
+    mine = None
+    for members in ([0, 1], [2, 3]):
+        group = dist.new_group(members)
+        if rank in members:
+            mine = group
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp = DDP(model, process_group=mine, bucket_cap_mb=0)
+    options = dict(density=0.1, warmup_steps=1, allow_dense=False, log_every=0)
+    state = omgs_hook.register(ddp, **options)
+    generator = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        ddp(torch.randn(8, 16, generator=generator)).square().mean().backward()
+        model.zero_grad()
+    if rank == 0:
+        torch.save(state.state_dict(), path)
+    dist.barrier()
+    saved = torch.load(path, weights_only=True)
+    out = {}
+    try:
+        omgs_hook.OMGSState(module=model, process_group=mine, **options).load_state_dict(saved)
+        out["error"] = None
+    except ValueError as exc:
+        out["error"] = str(exc)
+    reset = omgs_hook.OMGSState(module=model, process_group=mine,
+                                on_world_size_change="reset", **options)
+    reset.load_state_dict(saved)
+    out["reset_residuals"] = len(reset.memory)
+    state.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_a_checkpoint_of_global_rank_zero_is_refused_on_every_other_rank(tmp_path):
+    """Residuals are each rank's own. The check compared ranks within the DDP model's
+    process group only, so rank 0 of the second group ([2, 3]) - global rank 2 - took
+    global rank 0's residuals without a word (its own error feedback lost, rank 0's
+    applied twice), and rank 3 was told the state was "loaded on rank 1"."""
+    results = run_ranks("test_topology_subgroups", "rank_zero_checkpoint_worker",
+                        world_size=WORLD, timeout=150, path=str(tmp_path / "hook.pt"))
+    assert results[0]["error"] is None and results[0]["reset_residuals"] > 0
+    accepted = [rank for rank in (1, 2, 3) if results[rank]["error"] is None]
+    assert not accepted, f"ranks {accepted} loaded global rank 0's residuals"
+    for rank in (1, 2, 3):
+        error = results[rank]["error"]
+        assert error.startswith(f"rank: state saved by global rank 0 (rank 0 of its process "
+                                f"group), loaded on global rank {rank} (rank {rank % 2} of "
+                                "its process group)"), error
+        assert "on_world_size_change='reset'" in error
+        assert results[rank]["reset_residuals"] == 0

@@ -2817,6 +2817,8 @@ class OMGSState:
             "step": self.step,
             "world_size": self.world_size if dist.is_initialized() else None,
             "rank": dist.get_rank(self.process_group) if dist.is_initialized() else None,
+            # the job's rank: with a DDP model on a subgroup, "rank" repeats in every group
+            "global_rank": dist.get_rank() if dist.is_initialized() else None,
             "density": self.density,
             "strategy": self.strategy,
             "select": self.select,
@@ -2879,10 +2881,21 @@ class OMGSState:
                     f"world_size={self.world_size}: residuals are per-rank error feedback and "
                     "cannot be re-split; pass on_world_size_change='reset' to drop them")
         saved_rank, own_rank = sd.get("rank"), dist.get_rank(self.process_group)
-        if saved_rank is not None and saved_rank != own_rank:
+        # Ranks within the process group repeat in every group when the DDP model runs on
+        # a subgroup (replica groups [0, 1] and [2, 3]: global ranks 0 and 2 are both
+        # rank 0), so the job's rank is compared too, where the state recorded it.
+        saved_global, own_global = sd.get("global_rank"), dist.get_rank()
+        if (saved_rank is not None and saved_rank != own_rank) or (
+                saved_global is not None and saved_global != own_global):
             # typically a checkpoint written by rank 0 alone and loaded by every rank:
             # rank 0's residual would be counted world_size times, the others' lost
-            return "rank", (f"rank: state saved by rank {saved_rank}, loaded on rank {own_rank}: "
+            if saved_global is not None and self._group_members()[0] is not None:
+                where = (f"global rank {saved_global} (rank {saved_rank} of its process "
+                         f"group), loaded on global rank {own_global} (rank {own_rank} of "
+                         "its process group)")
+            else:
+                where = f"rank {saved_rank}, loaded on rank {own_rank}"
+            return "rank", (f"rank: state saved by {where}: "
                     "residuals are each rank's own error feedback, so every rank must "
                     "save its own state_dict() and load that one (e.g. "
                     "f'omgs_state.rank{rank}.pt'); pass on_world_size_change='reset' "
@@ -2924,10 +2937,11 @@ class OMGSState:
         else:
             norm = math.fsum(float(squared_norm(t)) for t in residuals.values()) ** 0.5
             logger.warning(
-                "omgs_hook: world size, topology or rank changed (%s, %s, rank %s -> %s, "
-                "%s, rank %s): dropping residuals (L2 norm %.4g)", sd.get("world_size"),
-                sd.get("topology") or "flat", sd.get("rank"), self.world_size,
-                self._saved_topology() or "flat", dist.get_rank(self.process_group), norm,
+                "omgs_hook: world size, topology or rank changed (%s, %s, rank %s, global "
+                "rank %s -> %s, %s, rank %s, global rank %s): dropping residuals (L2 norm "
+                "%.4g)", sd.get("world_size"), sd.get("topology") or "flat", sd.get("rank"),
+                sd.get("global_rank"), self.world_size, self._saved_topology() or "flat",
+                dist.get_rank(self.process_group), dist.get_rank(), norm,
             )
             self.memory.load_state_dict({})
         # a plan saved before plans carried their exchange ran on the registration's
