@@ -285,6 +285,33 @@ def mismatch_worker(rank, world_size, option="density"):
     return "no error"
 
 
+def mid_run_load_worker(rank, world_size, steps):
+    """Every rank loads a checkpoint mid-run (a rollback), ``steps[rank]`` steps old:
+    checkpoints of different steps on different ranks (a stale file on one)."""
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=1, allow_dense=False,
+                               log_every=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    saved, outcome = {}, "no error"
+    try:
+        for step in range(12):
+            saved[step] = state.state_dict()
+            if step == 8:
+                state.load_state_dict(saved[steps[rank]])
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            loss_fn(ddp(x), y).backward()
+            opt.step()
+    except RuntimeError as exc:
+        outcome = str(exc)
+    state.close()
+    del ddp
+    gc.collect()
+    return outcome
+
+
 def poisoned_batch(step, rank, bad_step):
     """The step's batch; at ``bad_step`` rank 1's holds an inf (its gradient turns
     non-finite)."""
@@ -652,6 +679,22 @@ def test_ranks_configured_differently_fail_at_first_step(option):
     for message in results:
         assert "configured differently" in message and f"{option} (this rank" in message, \
             message
+
+
+@pytest.mark.timeout(120)
+def test_states_loaded_mid_run_are_compared_across_ranks_again():
+    """The ranks' options, step and plan were compared at the first step only: states of
+    different steps loaded later (rank 0 rolled back to step 4, rank 1 to step 6) ran
+    their trials at different steps, and a rank read the other's payload as a non-finite
+    status word before gloo aborted on mismatched sizes. Now the next step raises on
+    every rank; a rollback that every rank makes alike trains on."""
+    results = run_ranks("test_hook_ddp", "mid_run_load_worker", world_size=2,
+                        allow_failure=True, steps=[4, 6])
+    for rank, message in enumerate(results):
+        assert isinstance(message, str) and "configured differently" in message \
+            and "step (this rank: " + str([4, 6][rank]) + ")" in message, message
+    assert run_ranks("test_hook_ddp", "mid_run_load_worker", world_size=2,
+                     steps=[4, 4]) == ["no error", "no error"]
 
 
 @pytest.mark.timeout(120)

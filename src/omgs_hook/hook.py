@@ -2915,7 +2915,9 @@ class OMGSState:
         Validates everything first and raises ValueError naming the problem: unknown
         format, residuals for parameters the module does not have or of the wrong shape,
         a different world size or topology, or a state saved by another rank (see
-        ``on_world_size_change``).
+        ``on_world_size_change``). Loaded later in a run, every rank must load at the
+        same point; the next step compares the ranks' states again (step, plan, trial)
+        and raises on every rank when they differ.
         """
         if not isinstance(sd, dict) or sd.get("format_version") != STATE_FORMAT_VERSION:
             raise ValueError(
@@ -3025,6 +3027,12 @@ class OMGSState:
             self._submit_plan_job(sd["plan_job"])
         if self._device is not None:
             self.memory.move_to(self._device)
+        # The ranks must agree again on the step counter, plan and trial just loaded: a
+        # load after the first step (a rollback to an earlier checkpoint, every rank at
+        # the same point) was never compared, and ranks that loaded checkpoints of
+        # different steps ran their trials and re-plans at different steps - mismatched
+        # collectives (garbage read as a non-finite status word, then a gloo abort).
+        self._consistency_checked = False
 
     def _saved_topology(self):
         """What a checkpoint must match to reuse this rank's residuals: None for a flat
