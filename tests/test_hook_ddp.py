@@ -267,13 +267,17 @@ def straggler_worker(rank, world_size, delay_s):
 
 
 MISMATCHED = {"density": ({"density": 0.01}, {"density": 0.02}),
-              "measured_comm": ({"measured_comm": True}, {"measured_comm": False})}
+              "measured_comm": ({"measured_comm": True}, {"measured_comm": False}),
+              # rank 1 wraps the same network once more: the same shapes (DDP accepts
+              # it), other names ("0.fc1.weight"), so plans and residuals would not match
+              "parameters": ({}, {"wrapped": True})}
 
 
 def mismatch_worker(rank, world_size, option="density"):
-    model = Net()
+    options = dict(MISMATCHED[option][rank])
+    model = torch.nn.Sequential(Net()) if options.pop("wrapped", False) else Net()
     ddp = DDP(model, bucket_cap_mb=0)
-    omgs_hook.register(ddp, warmup_steps=0, **MISMATCHED[option][rank])
+    omgs_hook.register(ddp, warmup_steps=0, **options)
     x, y = batch(0, rank)
     try:
         loss_fn(ddp(x), y).backward()

@@ -1175,8 +1175,20 @@ class OMGSState:
             "select": self.select,
             "pinned_plan": repr(self._pinned_digest()),
             "trial": repr(self._trial.state_dict()["rounds"] if self._trial is not None else None),
+            "parameters": self._parameters_fingerprint(),
         }
         return fields
+
+    def _parameters_fingerprint(self):
+        """The trainable parameters' names and shapes (what plans and residuals are keyed
+        by), readable in short: another model on one rank, or the module given to the
+        state on one rank only, was otherwise caught only at the first plan, as plans
+        with different checksums."""
+        import hashlib
+
+        listing = repr(list(self._shapes.items())).encode()
+        return (f"{len(self._shapes)} named trainable parameters, names and shapes "
+                f"{hashlib.sha256(listing).hexdigest()[:12]}")
 
     def _pinned_digest(self):
         if self._pinned is None:
@@ -1196,6 +1208,10 @@ class OMGSState:
                      if len(set(table[:, col].tolist())) > 1]
         if differing:
             detail = ", ".join(f"{name} (this rank: {fields[name]})" for name in differing)
+            if "parameters" in differing:
+                detail += (" - the trainable parameters' names or shapes differ: every rank "
+                           "must wrap the same model the same way and register the hook "
+                           "the same way (register(), or an OMGSState given the module)")
             raise RuntimeError(
                 f"omgs_hook: ranks are configured differently: {detail}. Every rank must "
                 "use the same options, profile and (when resuming) state."
