@@ -5,6 +5,12 @@ Run it on a machine with a GPU, from the repository root::
 
     PYTHONPATH=src python3 scripts/gpu_check.py            # writes docs/gpu.md + docs/gpu.json
 
+On a lent machine whose files come back only from ``$OUT`` (one command of at most 10
+minutes), ``PYTHONUNBUFFERED=1 PYTHONPATH=src timeout 570 python3 scripts/gpu_check.py``:
+the report is also copied under ``$OUT`` after every section, and the run keeps to its
+480 s budget (``--budget``). No install step is needed there: the script imports the
+package from ``src/`` (the compiled CPU pass is optional and falls back).
+
 Sections (each is independent: a failure is recorded and the next section runs):
 
 ``env``        torch, CUDA, GPU, CuPy versions.
