@@ -116,8 +116,9 @@ class StepExchange:
         self.sent = set()  # keys already assigned to an issued group
         # Parameters without a .grad at hook time were unused by this rank's forward
         # (find_unused_parameters, or a join()'s shadow step), as are those add_bucket's
-        # ``used`` shows unused with a zero gradient. If no rank used them, DDP discards whatever the hook writes for
-        # them, so their residual must neither be sent nor reset: it is parked.
+        # ``used`` shows unused with a zero gradient. If no rank used them, DDP discards
+        # whatever the hook writes for them, so their residual must neither be sent nor
+        # reset: it is parked.
         self.parked = set()
         self.records = []
         self.nonfinite = False
@@ -698,9 +699,6 @@ class StepExchange:
         self.memory.stage_group(buffers, [key for key in keys if key not in self.parked])
         if not nonfinite_any:
             self.writeback_samples.append((numel, time.perf_counter() - started))
-
-    def _group_done(self, keys):
-        self._keys_done(keys, group_finished=True)
 
     def _keys_done(self, keys, group_finished, written=None):
         """``keys`` are written back (by an issued group when ``group_finished``); the

@@ -52,6 +52,7 @@ inside a callback deadlocks gloo.
 
 import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -1184,8 +1185,6 @@ class OMGSState:
         by), readable in short: another model on one rank, or the module given to the
         state on one rank only, was otherwise caught only at the first plan, as plans
         with different checksums."""
-        import hashlib
-
         listing = repr(list(self._shapes.items())).encode()
         return (f"{len(self._shapes)} named trainable parameters, names and shapes "
                 f"{hashlib.sha256(listing).hexdigest()[:12]}")
@@ -1198,8 +1197,6 @@ class OMGSState:
         return repr(self._pinned[1:3] + self._pinned[4:])
 
     def _check_consistency(self):
-        import hashlib
-
         fields = self._fingerprint()
         digests = [int.from_bytes(hashlib.sha256(v.encode()).digest()[:7], "big")
                    for v in fields.values()]
