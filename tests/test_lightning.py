@@ -68,6 +68,15 @@ def test_bad_options_are_rejected_when_the_strategy_is_built():
         OMGSStrategy(omgs_options=["density"])
 
 
+def test_options_that_need_the_module_are_accepted_when_the_strategy_is_built():
+    # the strategy supplies the module (register() at configure_ddp); validating the
+    # options without one refused local_clip_norm, telling the user to use register()
+    strategy = OMGSStrategy(omgs_options={"density": 0.01, "local_clip_norm": 1.0})
+    assert strategy.omgs_options == {"density": 0.01, "local_clip_norm": 1.0}
+    with pytest.raises(ValueError, match="local_clip_norm"):
+        OMGSStrategy(omgs_options={"local_clip_norm": -1.0})  # still validated
+
+
 def test_a_mixed_precision_plugins_scaler_reaches_the_hook():
     """"16-mixed" has a GradScaler: the hook gets it (the residuals must follow the loss
     scale); options that name one keep theirs, bf16/full precision pass none."""

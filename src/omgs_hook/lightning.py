@@ -30,6 +30,7 @@ A second ``trainer.fit()`` with the same strategy carries the hook's state over 
 Needs the ``lightning`` extra (``pip install 'omgs-hook[lightning]'``).
 """
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from .hook import OMGSState, register
@@ -62,7 +63,9 @@ class OMGSStrategy(DDPStrategy):
         for name in ("module", "process_group"):
             if name in self.omgs_options:
                 raise ValueError(f"omgs_options: {name} is supplied by the strategy")
-        OMGSState(**self.omgs_options).close()  # bad options fail now, with the option named
+        # bad options fail now, with the option named; an empty module stands in for the
+        # one register() supplies (local_clip_norm needs one)
+        OMGSState(module=torch.nn.Module(), **self.omgs_options).close()
         super().__init__(**ddp_kwargs)
         self.omgs_state = None
 
