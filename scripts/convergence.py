@@ -167,12 +167,22 @@ def _seeds(text):
 _positive_int = integer_at_least(1)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says what the default is
+    (options whose default depends on --model show None, which is not what runs)."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         description="ResNet-20 on digits (accuracy) or the LSTM on text (bits per character), "
                     "allreduce vs OMGS, with curves "
                     "(see the module docstring).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     add = parser.add_argument
     add("--configs", type=_configs, default=None,
         help="comma separated: allreduce, omgs:DENSITY, topk:DENSITY, lags:DENSITY, each "

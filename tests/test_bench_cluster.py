@@ -450,6 +450,15 @@ def test_parse_config(text, expected):
     assert convergence.parse_config(text) == expected
 
 
+def test_convergence_help_names_one_default_per_option():
+    # --epochs said "(default: 20; 7 for lstm) (default: None)": the formatter appended
+    # argparse's None to options whose help already gives the real default
+    text = " ".join(convergence.build_parser().format_help().split())
+    assert "(default: None)" not in text
+    assert "schedule length (default: 20; 7 for lstm)" in text
+    assert "(default: 2)" in text  # --nproc: defaults that argparse knows are still shown
+
+
 @pytest.mark.parametrize("text, message", [
     ("omgs", "needs a density"), ("omgs:2", "must be in"), ("dgc:0.1", "unknown hook"),
     ("allreduce:0.1", "takes no density"), ("allreduce@5", "takes no density"),
