@@ -106,7 +106,10 @@ def parse_args(argv=None):
         formatter_class=_HelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     add("--model", choices=MODEL_NAMES, default="resnet20")
-    add("--hook", choices=HOOKS, default="omgs", help="gradient communication (see above)")
+    add("--hook", choices=HOOKS, default="omgs",
+        help="gradient communication: allreduce (DDP's own, no hook), powersgd (PyTorch's "
+             "powerSGD_hook), topk (TopK-SGD: one group), lags (LAGS-SGD: a group per "
+             "bucket), omgs (OMGS-SGD: planned groups); see docs/training.md")
     add("--synthetic", action="store_true",
         help="random CIFAR-shaped images / random tokens instead of the real data")
     add("--image-size", type=int, default=None,

@@ -627,6 +627,8 @@ def test_help_shows_no_default_that_the_run_does_not_use(train_script, capsys):
     assert "older spelling" in entry and "default" not in entry, entry
     assert "the library's default) (default: None)" not in text
     assert "(default: 0.01)" in text  # the others still show theirs
+    # --hook said "(see above)", but --help shows only the docstring's first line
+    assert "see above" not in text and "omgs (OMGS" in text and "planned groups" in text
     assert train_script.parse_args([]).allow_dense is None
 
 
