@@ -55,6 +55,8 @@ from ddp_harness import run_ranks
         ({"track_staleness": 1}, "track_staleness must be True or False"),
         ({"density": torch.tensor(0.1)}, r"density must be a number in \(0, 1\], got a tensor"),
         ({"process_group": "x"}, "process_group must be a torch.distributed ProcessGroup"),
+        ({"module": 3}, "module must be a torch.nn.Module"),  # was AttributeError
+        ({"module": "model"}, "module must be a torch.nn.Module"),
     ],
 )
 def test_bad_options_name_the_problem(options, message):

@@ -764,6 +764,9 @@ class OMGSState:
             raise ValueError(f"process_group must be a torch.distributed ProcessGroup or None "
                              f"(the default group), got {type(process_group).__name__}")
         self.process_group = process_group
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise ValueError(f"module must be a torch.nn.Module (ddp_model.module) or None, "
+                             f"got {type(module).__name__}")
         self.module = module
         self._names = {}
         self._shapes = {}
