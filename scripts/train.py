@@ -128,7 +128,7 @@ def parse_args(argv=None):
     add("--steps", type=int, default=None, help="stop after this many steps in total")
     add("--batch-size", type=int, default=32, help="samples per rank and step")
     add("--lr", type=float, default=None,
-        help="peak learning rate (default: 0.1 for the CNNs, 1.0 for lstm)")
+        help="peak learning rate (default: 0.1 for resnet20, 0.05 for vgg16, 1.0 for lstm)")
     add("--lr-warmup-steps", type=int, default=20,
         help="learning rate rises linearly from lr/steps to lr over these steps")
     add("--lr-schedule", choices=("cosine", "constant"), default="cosine",

@@ -629,6 +629,9 @@ def test_help_shows_no_default_that_the_run_does_not_use(train_script, capsys):
     assert "(default: 0.01)" in text  # the others still show theirs
     # --hook said "(see above)", but --help shows only the docstring's first line
     assert "see above" not in text and "omgs (OMGS" in text and "planned groups" in text
+    # --lr said "0.1 for the CNNs", but vgg16's default is 0.05 (MODEL_DEFAULTS)
+    for model, defaults in train_script.MODEL_DEFAULTS.items():
+        assert f"{float(defaults['lr'])!r} for {model}" in text, model
     assert train_script.parse_args([]).allow_dense is None
 
 
