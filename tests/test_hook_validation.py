@@ -82,6 +82,21 @@ def test_numpy_integers_are_integers_as_numpy_floats_are_numbers():
             OMGSState(**bad)
 
 
+def test_numpy_numbers_are_a_local_clip_norm_as_they_are_a_density():
+    """local_clip_norm refused np.float32 and np.int64 ("must be a positive number"),
+    which density and the integer options take."""
+    import numpy as np
+
+    module = nn.Linear(2, 2)
+    for value in (np.float32(0.5), np.int64(2), np.float64(1.5)):
+        state = OMGSState(local_clip_norm=value, module=module)
+        assert state.local_clip_norm == float(value) and type(state.local_clip_norm) is float
+        state.close()
+    for bad in (np.bool_(True), np.float32("nan"), np.int64(0)):
+        with pytest.raises(ValueError, match="local_clip_norm"):
+            OMGSState(local_clip_norm=bad, module=module)
+
+
 def test_pinned_plan_forms_are_accepted_and_checked_against_the_model(tmp_path):
     from omgs_hook.group_plan import GroupPlan
 

@@ -730,7 +730,8 @@ class OMGSState:
         self.refit_online = _check_bool("refit_online", refit_online)
         self.measured_comm = _check_bool("measured_comm", measured_comm)
         if local_clip_norm is not None and (
-                isinstance(local_clip_norm, bool) or not isinstance(local_clip_norm, (int, float))
+                isinstance(local_clip_norm, (bool, np.bool_))
+                or not isinstance(local_clip_norm, (int, float, np.integer, np.floating))
                 or not 0 < float(local_clip_norm) < math.inf):
             raise ValueError(
                 f"local_clip_norm must be a positive number or None, got {local_clip_norm!r}")
