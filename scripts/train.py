@@ -232,8 +232,8 @@ def _validate(parser, args):
     """Reject inconsistent options before any process group is created."""
     def positive(name):
         value = getattr(args, name.replace("-", "_"))
-        if value is not None and value <= 0:
-            parser.error(f"--{name}: must be positive, got {value}")
+        if value is not None and not 0 < value < math.inf:  # (NaN fails it too)
+            parser.error(f"--{name}: must be a positive finite number, got {value}")
 
     for key, value in MODEL_DEFAULTS[args.model].items():
         if getattr(args, key) is None:
@@ -263,14 +263,14 @@ def _validate(parser, args):
         parser.error("--lr-warmup-steps and --warmup-steps must be >= 0")
     if not 0.0 <= args.momentum < 1.0:
         parser.error(f"--momentum: must be in [0, 1), got {args.momentum}")
-    if args.weight_decay < 0:
-        parser.error(f"--weight-decay: must be >= 0, got {args.weight_decay}")
-    if args.clip_grad_norm is not None and args.clip_grad_norm < 0:
-        parser.error(f"--clip-grad-norm: must be >= 0, got {args.clip_grad_norm}")
+    if not 0 <= args.weight_decay < math.inf:
+        parser.error(f"--weight-decay: must be a finite number >= 0, got {args.weight_decay}")
+    if args.clip_grad_norm is not None and not 0 <= args.clip_grad_norm < math.inf:
+        parser.error(f"--clip-grad-norm: must be a finite number >= 0, got {args.clip_grad_norm}")
     if args.clip_grad_norm == 0:
         args.clip_grad_norm = None
-    if args.local_clip_norm is not None and args.local_clip_norm <= 0:
-        parser.error(f"--local-clip-norm: must be positive, got {args.local_clip_norm}")
+    if args.local_clip_norm is not None and not 0 < args.local_clip_norm < math.inf:
+        parser.error(f"--local-clip-norm: must be a positive finite number, got {args.local_clip_norm}")
     if (args.local_clip_norm is not None or args.track_staleness) \
             and args.hook not in HOOK_STRATEGIES:
         parser.error("--local-clip-norm and --track-staleness only apply to the omgs hooks "

@@ -616,6 +616,16 @@ def test_bad_values_and_options_of_other_hooks_are_refused(train_script, tmp_pat
     assert train_script.hook_options(args)["profile"] == str(profile)
 
 
+def test_non_finite_numbers_are_refused_naming_the_option(train_script, capsys):
+    """--lr nan (or inf) passed the "must be positive" check (nan <= 0 is False) and the
+    run trained to NaN; --weight-decay, --clip-grad-norm and --local-clip-norm likewise
+    (the hook refused a NaN local_clip_norm only after the process group was up)."""
+    for option in ("--lr", "--weight-decay", "--clip-grad-norm", "--local-clip-norm"):
+        for value in ("nan", "inf"):
+            err = _refused(train_script.parse_args, [option, value], capsys)
+            assert option in err, (option, value, err)
+
+
 def test_help_shows_no_default_that_the_run_does_not_use(train_script, capsys):
     """--no-dense-groups showed "(default: True)" (store_false's own default), options left
     to the library "(default: None)" after saying so."""
