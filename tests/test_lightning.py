@@ -75,6 +75,9 @@ def test_options_that_need_the_module_are_accepted_when_the_strategy_is_built():
     assert strategy.omgs_options == {"density": 0.01, "local_clip_norm": 1.0}
     with pytest.raises(ValueError, match="local_clip_norm"):
         OMGSStrategy(omgs_options={"local_clip_norm": -1.0})  # still validated
+    # a pinned plan of parameter names is checked against the model only at register()
+    plan = {"groups": [["net.0.weight", "net.0.bias"]]}
+    OMGSStrategy(omgs_options={"plan": plan, "local_clip_norm": 1.0})
 
 
 def test_a_mixed_precision_plugins_scaler_reaches_the_hook():

@@ -63,9 +63,14 @@ class OMGSStrategy(DDPStrategy):
         for name in ("module", "process_group"):
             if name in self.omgs_options:
                 raise ValueError(f"omgs_options: {name} is supplied by the strategy")
-        # bad options fail now, with the option named; an empty module stands in for the
-        # one register() supplies (local_clip_norm needs one)
-        OMGSState(module=torch.nn.Module(), **self.omgs_options).close()
+        # bad options fail now, with the option named. local_clip_norm needs the module,
+        # which register() supplies: it is checked alone, with an empty module standing in
+        # (a stand-in for all options would refuse a pinned plan of parameter names)
+        options = dict(self.omgs_options)
+        clip = options.pop("local_clip_norm", None)
+        OMGSState(**options).close()
+        if clip is not None:
+            OMGSState(local_clip_norm=clip, module=torch.nn.Module()).close()
         super().__init__(**ddp_kwargs)
         self.omgs_state = None
 
