@@ -121,3 +121,64 @@ def test_a_resumed_scaled_run_is_the_uninterrupted_one():
         assert torch.equal(a["params"], b["params"])
         for ga, gb in zip(a["grads"], b["grads"]):
             assert (ga is None and gb is None) or torch.equal(ga, gb)
+
+
+def unscaled_rewind_worker(rank, world_size):
+    """A GAN-like loop under a scaler (residuals at scale 1024), saved after the
+    generator-side backward (``residuals_before_last_step`` present), then the
+    discriminator's next forward decides the rewind: uninterrupted with the scaler, and
+    resumed without one. Returns both runs' residuals after that forward, unscaled."""
+    options = dict(density=0.1, strategy="single", select="model", allow_dense=False,
+                   warmup_steps=0, log_every=0)
+
+    def build(use_scaler):
+        torch.manual_seed(0)
+        disc = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        ddp = DDP(disc, bucket_cap_mb=0)
+        scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+                  if use_scaler else None)
+        state = omgs_hook.register(ddp, grad_scaler=scaler, **options)
+        return disc, ddp, scaler, state, torch.optim.SGD(disc.parameters(), lr=0.05)
+
+    disc, ddp, scaler, state, opt = build(True)
+    g = torch.Generator().manual_seed(rank + 1)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(ddp(torch.randn(6, 8, generator=g)).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        # the generator's step: a backward through the discriminator, never applied
+        scaler.scale((ddp(torch.randn(6, 8, generator=g)) - 1).pow(2).mean()).backward()
+    saved = state.state_dict()
+    assert saved["residual_scale"] == 2.0 ** 10
+    assert saved["residuals_before_last_step"] is not None
+    model = {k: v.clone() for k, v in disc.state_dict().items()}
+    x = torch.randn(6, 8, generator=g)
+    opt.zero_grad()
+    ddp(x)  # the discriminator's next forward: the generator step is rewound
+    whole = {k: v / 2.0 ** 10 for k, v in state.state_dict()["residuals"].items()}
+    state.close()
+
+    disc, ddp, _, state, opt = build(False)
+    disc.load_state_dict(model)
+    state.load_state_dict(saved)  # no scaler: the residuals come back unscaled
+    opt.zero_grad()
+    ddp(x)
+    resumed = state.state_dict()
+    state.close()
+    return {"whole": whole, "resumed": resumed["residuals"],
+            "residual_scale": resumed["residual_scale"]}
+
+
+@pytest.mark.timeout(120)
+def test_a_rewind_after_resuming_without_the_scaler_is_in_unscaled_units():
+    """The residuals from before the checkpoint's last step were restored at the saved
+    loss scale while the residuals themselves were brought to unscaled units: the
+    rewound residual was then applied 1024 times too large."""
+    for r in run_ranks("test_grad_scaler", "unscaled_rewind_worker", world_size=2,
+                       timeout=100):
+        assert r["residual_scale"] is None
+        assert set(r["whole"]) == set(r["resumed"]) and r["whole"]
+        for key, expected in r["whole"].items():
+            assert torch.equal(r["resumed"][key], expected), (
+                key, float(r["resumed"][key].abs().max() / expected.abs().max()))

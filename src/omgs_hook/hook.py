@@ -2986,8 +2986,14 @@ class OMGSState:
                 and self.module is not None):
             check_residuals(before, self._shapes, where="residuals_before_last_step")
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self._applied_check = (params, [p._version for p in params],
-                                   {k: v.detach().clone() for k, v in before.items()},
+            before = {k: v.detach().clone() for k, v in before.items()}
+            saved_scale = sd.get("residual_scale")
+            if self.grad_scaler is None and saved_scale is not None and saved_scale != 1.0:
+                # at the saved loss scale, like the residuals that _load_residual_scale
+                # brought to unscaled units: a rewind to them must be in those units too
+                for tensor in before.values():
+                    tensor.mul_(1.0 / float(saved_scale))
+            self._applied_check = (params, [p._version for p in params], before,
                                    self._optimizer_steps)
         self.meter.load_state_dict(sd.get("measurements") or {})
         self.overhead.load_state_dict(sd.get("group_overhead") or {})
