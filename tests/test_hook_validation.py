@@ -2,6 +2,7 @@
 
 import gc
 import json
+import re
 
 import pytest
 import torch
@@ -626,3 +627,72 @@ def test_a_residual_of_a_parameter_gone_since_the_checkpoint_is_named_with_the_w
         check_residuals(saved, shapes, where="residuals_before_last_step")
     saved.pop("frozen.bias")  # the way out the message gives
     check_residuals(saved, shapes)
+
+
+def moduleless_resume_worker(rank, world_size, source, target):
+    """Train 4 steps with ``source`` ("named": register(); "raw": register_comm_hook
+    without a module), save, and load into a fresh DDP model of ``target`` ("raw",
+    "raw_bigger": a layer more, "raw_smaller": a layer less), then train one step."""
+    options = dict(density=0.1, strategy="layerwise", select="model", allow_dense=False,
+                   warmup_steps=1, log_every=0)
+
+    def build(kind):
+        torch.manual_seed(0)
+        layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)]
+        if kind == "raw_bigger":
+            layers[4:4] = [nn.Linear(16, 16), nn.Tanh()]
+        if kind == "raw_smaller":  # the last parameters of the first step's order gone
+            layers = layers[:4]
+        ddp = DDP(nn.Sequential(*layers), bucket_cap_mb=0)
+        if kind == "named":
+            state = omgs_hook.register(ddp, **options)
+        else:
+            state = OMGSState(**options)
+            ddp.register_comm_hook(state, omgs_hook.omgs_hook)
+        return ddp, state
+
+    def step(ddp, seed):
+        g = torch.Generator().manual_seed(seed * 10 + rank)
+        ddp.zero_grad()
+        ddp(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+
+    ddp, state = build(source)
+    for i in range(4):
+        step(ddp, i)
+    saved = state.state_dict()
+    assert any(float(t.abs().sum()) > 0 for t in saved["residuals"].values())
+    state.close()
+    ddp, state = build(target)
+    try:
+        state.load_state_dict(saved)
+        step(ddp, 4)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        state.close()
+    return None
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("source, target, error", [
+    # the module's names: never sent by a state that names its parameters param0, ...
+    ("named", "raw", r"ValueError: residual for '\d\.(weight|bias)': no such parameter in "
+                     r"this state: this state has no module"),
+    ("raw", "raw_bigger", r"ValueError: residual for 'param\d' has shape \(\d+, \d+\), the "
+                          r"parameter has \(16, 16\): this state has no module"),
+    ("raw", "raw_smaller", r"ValueError: residual for 'param\d' \(2 in all\): no such "
+                           r"parameter in the model"),
+    ("raw", "raw", None),
+])
+def test_a_checkpoint_that_does_not_fit_a_moduleless_state_is_refused(source, target, error):
+    """Without a module the residuals are keyed param0, param1, ... (bucket order), and
+    load_state_dict cannot check them against the model: a state saved by register()
+    was loaded without a word and its residuals were never sent again (kept aside,
+    forever), and another model's failed inside the first step with a bare tensor-size
+    RuntimeError, or not at all."""
+    for result in run_ranks("test_hook_validation", "moduleless_resume_worker",
+                            world_size=2, timeout=150, source=source, target=target):
+        if error is None:
+            assert result is None
+        else:
+            assert result is not None and re.match(error, result), result

@@ -122,6 +122,13 @@ DEFAULT_MIN_SPARSE_NUMEL = 1024
 UNAPPLIED_STREAK_LIMIT = 3
 # options a plan is made for: a checkpoint saved with other values has its plan, trial
 # and pending plan job dropped on load (the residuals stay: they are per parameter)
+# how a state without a module names parameters, for the errors of a checkpoint that
+# does not fit them
+MODULELESS_NAMES = (
+    "this state has no module (register_comm_hook without OMGSState(module=...)), so it "
+    "names parameters param0, param1, ... in the order of the first step's buckets; load "
+    "a state saved the same way from the same model, or pass module=ddp_model.module (as "
+    "omgs_hook.register does) to load one saved with parameter names")
 PLAN_OPTIONS = ("density", "strategy", "select", "allow_dense", "min_sparse_numel")
 # A bucket layout that differs from the plan's must persist this many steps before it
 # forces a re-plan: DDP's one-bucket iterations after a (re)start are transient.
@@ -771,6 +778,9 @@ class OMGSState:
         self.module = module
         self._names = {}
         self._shapes = {}
+        # a module-less state loaded a checkpoint: its residuals' parameters are known
+        # once the next step has seen every bucket (_end_step)
+        self._unplaced_check = False
         if module is not None:
             self._index_module(module)
 
@@ -944,6 +954,12 @@ class OMGSState:
             # No module given: name parameters by first appearance (bucket order), which is
             # the same on every rank and in every run of the same script.
             key = f"param{len(self._names)}"
+            loaded = self.memory.unplaced().get(key)
+            if loaded is not None and loaded != tuple(param.shape):
+                # (with a module, load_state_dict compared the shapes already)
+                raise ValueError(
+                    f"residual for {key!r} has shape {loaded}, the parameter has "
+                    f"{tuple(param.shape)}: {MODULELESS_NAMES}")
             self._names[id(param)] = key
             self._shapes[key] = tuple(param.shape)
         return key
@@ -1552,6 +1568,14 @@ class OMGSState:
             exchange.send_group(leftover, dense=False)
 
     def _end_step(self, exchange):
+        if self._unplaced_check:
+            # every parameter has been in a bucket once now: a loaded residual that none
+            # was named for belongs to no parameter of this model
+            self._unplaced_check = False
+            unplaced = sorted(self.memory.unplaced())
+            if unplaced:
+                raise ValueError(f"residual for {unplaced[0]!r} ({len(unplaced)} in all): no "
+                                 f"such parameter in the model: {MODULELESS_NAMES}")
         self._ingest_finished(before_step=exchange.step_number)
         layout = tuple(exchange.layout)
         self.meter.end_step(layout, step=self.step)
@@ -2950,6 +2974,15 @@ class OMGSState:
         # is not: rank 0 keeps its residuals, so the plan, the trial and the rest that
         # every rank shares must stay on every rank too, or the ranks would disagree.
         layout_changed = mismatch is not None and mismatch[0] != "rank"
+        if not drop_residuals and self.module is None:
+            # its keys are param0, param1, ...: a residual under another name (a state
+            # saved by register(), with the module's names) would never be sent
+            for key in residuals:
+                if not (isinstance(key, str) and key.startswith("param")
+                        and key[5:].isdigit()):
+                    raise ValueError(f"residual for {key!r}: no such parameter in this "
+                                     f"state: {MODULELESS_NAMES}")
+            self._unplaced_check = True
         if not drop_residuals:
             self.memory.load_state_dict(residuals, self._shapes if self.module is not None else None)
             self._load_residual_scale(sd.get("residual_scale"))

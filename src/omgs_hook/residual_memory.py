@@ -399,6 +399,12 @@ class ResidualMemory:
                 if strides is not None and loaded is not None:
                     self._residuals[key] = _logical_to_memory(loaded, shape, strides)
 
+    def unplaced(self):
+        """{key: shape} of the residuals loaded before their parameter was seen in a
+        bucket (:meth:`note_layout` places them)."""
+        with self._lock:
+            return {key: self._shapes[key] for key in self._logical}
+
     def total_norm(self):
         """L2 norm over every stored residual (for monitoring). The per-tensor sums are
         added exactly (``math.fsum``): the result does not depend on the order the
