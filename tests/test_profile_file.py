@@ -58,6 +58,14 @@ def test_load_valid_profile(tmp_path):
     assert profile.topk_for("cupy") == profile.topk
 
 
+def test_a_bytes_path_loads(tmp_path):
+    """OMGSState(profile=...) takes str, bytes and path-like paths: a bytes one was
+    read from the file "b'...'" ("profile file not found")."""
+    path = _write(tmp_path, VALID)
+    profile = load_profile(bytes(path))
+    assert profile.path == str(path) and profile.world_size == 2
+
+
 def test_minimal_profile_without_optional_sections(tmp_path):
     document = {key: VALID[key] for key in
                 ("schema_version", "world_size", "backend", "device", "comm", "dense", "topk")}

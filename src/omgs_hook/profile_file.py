@@ -48,6 +48,7 @@ This module never imports torch (the planner CLI loads profiles too).
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 
 from omgs_hook.cost_model import Hierarchy, LinearCost, TopkCost
@@ -363,7 +364,8 @@ def load_profile(path):
     JSON, a ``schema_version`` other than :data:`SCHEMA_VERSION`, and for missing,
     mistyped or negative fields - the message names the file and the field.
     """
-    path = str(path)
+    # (a bytes path, which OMGSState(profile=...) accepts, as str() is "b'...'")
+    path = os.fsdecode(path) if isinstance(path, bytes) else str(path)
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
