@@ -913,6 +913,8 @@ class OMGSState:
             self._hooks.append(module.register_forward_pre_hook(
                 _ModuleHook(self._on_forward_pre)))
             self._hooks.append(module.register_forward_hook(_ModuleHook(self._on_forward)))
+            self._hooks.append(module.register_load_state_dict_post_hook(
+                _ModuleHook(self._on_module_load)))
             step_hook = register_optimizer_step_post_hook(_ModuleHook(self._on_optimizer_step))
             self._hooks.append(step_hook)
             # torch-wide: removed with the state even where close() is never called
@@ -982,6 +984,18 @@ class OMGSState:
         them stepped (fused optimizers update in place without moving any version)."""
         return (self._optimizer_steps != optimizer_steps
                 or any(p._version != v for p, v in zip(params, versions)))
+
+    def _on_module_load(self, module, incompatible_keys):
+        """The module's weights were loaded (``load_state_dict``, of it or of the DDP
+        model) after this state loaded a checkpoint taken before its last step's
+        decision (:meth:`_check_applied`): the load moved every parameter's version, but
+        it is no optimizer step - a resume that loads the model after the hook state
+        must rewind as one that loads it before."""
+        check = self._applied_check
+        if check is not None and check[2] is not None:
+            params, _, loaded, optimizer_steps = check
+            self._applied_check = (params, [p._version for p in params], loaded,
+                                   optimizer_steps)
 
     def _on_optimizer_step(self, optimizer, args, kwargs):
         """Any ``torch.optim`` optimizer's step (a global post-hook): count it when it
