@@ -205,7 +205,9 @@ def _train_planner_settled(ddp, opt, state, start, stop, rank):
             time.sleep(0.005)
 
 
-def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second):
+def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second, resave=False):
+    """``resave``: the resumed run saves the hook state again before its first step (a
+    checkpoint at the start of an epoch) and a third process resumes from that one."""
     def build():
         torch.manual_seed(0)
         model = Net()
@@ -231,6 +233,14 @@ def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second):
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     state.load_state_dict(ckpt["hook"])
+    if resave:
+        torch.save(state.state_dict(), path)
+        del ddp, state, model, opt
+        gc.collect()
+        model, ddp, state, opt = build()
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        state.load_state_dict(torch.load(path, weights_only=True))
     residual_norm_loaded = state.memory.total_norm()
     _train_planner_settled(ddp, opt, state, first, first + second, rank)
     resumed = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -562,16 +572,19 @@ def test_resume_is_bit_identical(tmp_path, strategy):
 
 
 @pytest.mark.timeout(180)
-def test_resume_just_before_the_first_plan_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("resave", [False, True])
+def test_resume_just_before_the_first_plan_is_bit_identical(tmp_path, resave):
     # the first plan is due at the end of the resumed run's first step, which runs on
     # DDP's one-bucket layout of the new process: it was planned over that one bucket
     # (one group for everything, and a false "bucket 0 holds 100%" warning), where the
-    # uninterrupted run planned over the rebuilt buckets
+    # uninterrupted run planned over the rebuilt buckets. resave: the state saved again
+    # right after the load carries the checkpoint's layout on (it saved None, and the
+    # next resume planned over the one bucket again)
     results = run_ranks("test_hook_ddp", "resume_worker", world_size=2,
                         hook_options={"strategy": "layerwise", "warmup_steps": 5,
                                       "replan_every": 1000, "allow_dense": False,
                                       "select": "model"},
-                        ckpt_dir=str(tmp_path), first=4, second=8)
+                        ckpt_dir=str(tmp_path), first=4, second=8, resave=resave)
     for r in results:
         assert len(r["plan"]["groups"]) > 1, r["plan"]
         assert r["identical"], r["max_diff"]

@@ -2901,8 +2901,12 @@ class OMGSState:
             "last_trial": self._last_trial,
             # DDP's buckets at the last step: a resumed run's first steps run on DDP's
             # first, one-bucket layout, and its first plan waits for these
+            # (no step since a load: the loaded one, or a state saved again right after
+            # the load would send the next resume's first plan over DDP's first layout)
             "layout": ([list(b) for b in self._layout_streak[0]]
-                       if self._layout_streak[0] is not None else None),
+                       if self._layout_streak[0] is not None else
+                       [list(b) for b in self._resumed_layout]
+                       if self._resumed_layout is not None else None),
             "first_due_at": self._first_due_at,
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if self._model_key is not None else None),
