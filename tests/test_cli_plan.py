@@ -184,6 +184,25 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, message):
     assert err.count("\n") == 1 and message in err
 
 
+@pytest.mark.parametrize("plot, message", [
+    ("{dir}", "is a directory; give a file path"),
+    ("{dir}/timeline", "must end in .png, .svg or .pdf"),
+    ("", "--plot '': must end in .png, .svg or .pdf"),
+])
+def test_a_plot_path_matplotlib_would_not_write_as_given_exits_2(tmp_path, capsys, plot,
+                                                                  message):
+    """matplotlib saves a name without a suffix - a directory's too - as NAME.png: the
+    plot went to a file beside the one named (exit 0), and an empty name drew nothing."""
+    pytest.importorskip("matplotlib")
+    plot = plot.format(dir=tmp_path)
+    status, out, err = run_main(capsys, [write(tmp_path, INSTANCE), "--plot", plot])
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.parent.iterdir() if p.name.startswith(
+        tmp_path.name)) == [tmp_path.name]  # no "<dir>.png" beside the directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inst.json"]
+
+
 def test_unreadable_file(tmp_path, capsys):
     status, _, err = run_main(capsys, [str(tmp_path / "missing.json")])
     assert status == 2 and "cannot read" in err and "missing.json" in err

@@ -146,15 +146,17 @@ def run(args: argparse.Namespace) -> object:
         strategy = parse_strategy(args.strategy)
     except ValueError as error:
         raise _UsageError(f"--strategy: {error}") from None
+    if args.plot is not None:
+        _check_plot_path(args.plot)
     source = "<stdin>" if args.file == "-" else args.file
     data = _parse_json(_read(args.file), source)
     if isinstance(data, list):
-        if args.plot:
+        if args.plot is not None:
             raise _UsageError("--plot draws one instance; the input is a list")
         planned = [_plan_one(item, strategy, f"[{i}].") for i, item in enumerate(data)]
     else:
         planned = [_plan_one(data, strategy, "")]
-    if args.plot:
+    if args.plot is not None:
         _plot(*planned[0], args.plot)
     results = [_result(inst, plan) for inst, plan in planned]
     return results if isinstance(data, list) else results[0]
@@ -166,6 +168,22 @@ def _result(inst, plan) -> dict:
         result["inter_node_bytes"] = step_inter_node_bytes(inst, plan.groups, plan.dense)
         result["lower_bound_s"] = relaxed_lower_bound(inst)
     return result
+
+
+#: what --plot may end in (matplotlib picks the format by it)
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _check_plot_path(path):
+    """--plot must name a file of a format :data:`PLOT_SUFFIXES` lists: matplotlib
+    writes a name without a suffix (a directory's too) to NAME.png instead, and an
+    empty name was skipped without a word."""
+    if os.path.isdir(path):
+        raise _UsageError(f"--plot {path!r}: is a directory; give a file path, e.g. "
+                          f"{os.path.join(path, 'timeline.png')}")
+    if os.path.splitext(path)[1].lower() not in PLOT_SUFFIXES:
+        raise _UsageError(f"--plot {path!r}: must end in {', '.join(PLOT_SUFFIXES[:-1])} or "
+                          f"{PLOT_SUFFIXES[-1]}")
 
 
 def _plot(inst, plan, path):
