@@ -98,6 +98,22 @@ def test_numpy_numbers_are_a_local_clip_norm_as_they_are_a_density():
             OMGSState(local_clip_norm=bad, module=module)
 
 
+def test_a_plan_of_numpy_indices_and_flags_is_a_plan():
+    """A plan computed with NumPy (np.split of the bucket indices, a boolean array of
+    dense flags) was refused: "groups must hold parameter names or bucket indices, not
+    a mix" for indices all of one kind, "'dense' must be a list of 2 booleans"."""
+    import numpy as np
+
+    groups = [list(g) for g in np.split(np.arange(3), [2])]  # [[0, 1], [2]] of np.int64
+    state = OMGSState(plan={"groups": groups, "dense": list(np.array([True, False]))})
+    assert state._pinned[:3] == ("units", ((0, 1), (2,)), (True, False))
+    assert all(type(u) is int for g in state._pinned[1] for u in g)
+    assert all(type(d) is bool for d in state._pinned[2])
+    with pytest.raises(ValueError, match="plan: groups must hold parameter names or bucket "
+                                         "indices, not a mix"):
+        OMGSState(plan={"groups": [[np.int64(0), "a.weight"]]})
+
+
 def test_pinned_plan_forms_are_accepted_and_checked_against_the_model(tmp_path):
     from omgs_hook.group_plan import GroupPlan
 

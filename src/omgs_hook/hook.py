@@ -314,8 +314,9 @@ def _parse_pinned_plan(plan):
     if dense is None:
         dense = [False] * len(groups)
     if not isinstance(dense, list) or len(dense) != len(groups) or not all(
-            isinstance(d, bool) for d in dense):
+            isinstance(d, (bool, np.bool_)) for d in dense):
         raise ValueError(f"plan: 'dense' must be a list of {len(groups)} booleans")
+    dense = [bool(d) for d in dense]  # (NumPy's too, as the options take NumPy numbers)
     exchange = check_exchange(plan.get("exchange"))  # None: the registration's
     flat = [x for g in groups for x in g]
     predicted = plan.get("predicted_iteration_s")
@@ -334,9 +335,10 @@ def _parse_pinned_plan(plan):
                                   layout=layout, strategy="pinned",
                                   predicted_iteration_s=predicted, made_at_step=0,
                                   exchange=exchange))
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
+    if all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+           for x in flat):
         try:
-            units = check_groups(groups, len(flat))
+            units = check_groups([[int(x) for x in g] for g in groups], len(flat))
         except InstanceError as exc:
             raise ValueError(f"plan: {exc}") from None
         return ("units", units, tuple(dense), predicted, exchange)
