@@ -120,8 +120,6 @@ DEFAULT_MIN_SPARSE_NUMEL = 1024
 # GAN's discriminator alternates kept and discarded steps) but an optimizer that
 # updates parameters without bumping their version (``p.data``): rewinding stops
 UNAPPLIED_STREAK_LIMIT = 3
-# options a plan is made for: a checkpoint saved with other values has its plan, trial
-# and pending plan job dropped on load (the residuals stay: they are per parameter)
 # how a state without a module names parameters, for the errors of a checkpoint that
 # does not fit them
 MODULELESS_NAMES = (
@@ -129,6 +127,8 @@ MODULELESS_NAMES = (
     "names parameters param0, param1, ... in the order of the first step's buckets; load "
     "a state saved the same way from the same model, or pass module=ddp_model.module (as "
     "omgs_hook.register does) to load one saved with parameter names")
+# options a plan is made for: a checkpoint saved with other values has its plan, trial
+# and pending plan job dropped on load (the residuals stay: they are per parameter)
 PLAN_OPTIONS = ("density", "strategy", "select", "allow_dense", "min_sparse_numel")
 # A bucket layout that differs from the plan's must persist this many steps before it
 # forces a re-plan: DDP's one-bucket iterations after a (re)start are transient.
