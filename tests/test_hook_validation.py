@@ -712,3 +712,26 @@ def test_a_checkpoint_that_does_not_fit_a_moduleless_state_is_refused(source, ta
             assert result is None
         else:
             assert result is not None and re.match(error, result), result
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("plan", {"dense": [False]}),                          # no "groups"
+    ("trial", {"candidates": []}),                          # no "start_step"
+    ("correction", {"scale": "fast"}),
+    ("residuals_before_last_step", {"0.weight": torch.ones(5)}),  # wrong shape
+])
+def test_a_malformed_checkpoint_field_is_refused_before_anything_is_loaded(field, bad):
+    """A hand-edited checkpoint with a malformed plan, trial or correction failed with a
+    bare KeyError deep inside load_state_dict, after the residuals, plan and step had
+    been replaced: the state was left half loaded."""
+    module = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    good = OMGSState(module=module).state_dict()
+    good.update(step=7, residuals={"0.weight": torch.full((3, 2), 0.5)})
+    state = OMGSState(module=module)
+    state.load_state_dict(good)
+    bad_sd = dict(good, step=30, residuals={"0.weight": torch.full((3, 2), 9.0)})
+    bad_sd[field] = bad
+    with pytest.raises(ValueError, match=field):
+        state.load_state_dict(bad_sd)
+    assert state.step == 7
+    assert torch.equal(state.state_dict()["residuals"]["0.weight"], torch.full((3, 2), 0.5))

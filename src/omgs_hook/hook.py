@@ -2970,6 +2970,19 @@ class OMGSState:
                     "re-split; pass on_world_size_change='reset' to drop them")
         return None
 
+    @staticmethod
+    def _parsed_field(sd, name, parse):
+        """``parse(sd[name])``, None where the field is absent or empty; a malformed
+        field raises ValueError naming it (not a KeyError from deep inside)."""
+        value = sd.get(name)
+        if not value:
+            return None
+        try:
+            return parse(value)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise ValueError(f"state dict field {name!r} is malformed "
+                             f"({type(exc).__name__}: {exc})") from None
+
     def load_state_dict(self, sd):
         """Restore a ``state_dict()`` (before the first step of the new run).
 
@@ -2989,6 +3002,17 @@ class OMGSState:
         if mismatch is not None and self.on_world_size_change == "error":
             raise ValueError(mismatch[1])
         drop_residuals = mismatch is not None
+        # every field that is parsed into an object is parsed before anything of this
+        # state changes: a malformed one (a hand-edited file) leaves the state as it was
+        plan = self._parsed_field(sd, "plan", lambda v: GroupPlan.from_dict(
+            v, default_exchange=self._registered_exchange()))
+        trial = self._parsed_field(sd, "trial", plan_selection.Trial.from_state_dict)
+        correction = self._parsed_field(sd, "correction", plan_selection.Correction.from_dict)
+        before = sd.get("residuals_before_last_step")
+        rewind = bool(before) and not drop_residuals and self.on_unapplied == "rewind" \
+            and self.module is not None
+        if rewind:
+            check_residuals(before, self._shapes, where="residuals_before_last_step")
         # Another world size or topology is the same finding on every rank, and the plan
         # was made for the old one. Another rank's state (a checkpoint rank 0 wrote alone)
         # is not: rank 0 keeps its residuals, so the plan, the trial and the rest that
@@ -3017,8 +3041,7 @@ class OMGSState:
             )
             self.memory.load_state_dict({})
         # a plan saved before plans carried their exchange ran on the registration's
-        self.plan = (GroupPlan.from_dict(sd["plan"], default_exchange=self._registered_exchange())
-                     if sd.get("plan") else None)
+        self.plan = plan
         # options changed since the checkpoint: its plan was made for the old ones; the
         # next step re-plans (and, with select="measured", runs a fresh trial)
         # (a pinned plan is not made from options: nothing to drop)
@@ -3034,10 +3057,7 @@ class OMGSState:
         # the residuals are the checkpoint's; if it was taken before the decision on its
         # last step (see _residuals_before_last_step), the first forward decides it here
         self._applied_check = None
-        before = sd.get("residuals_before_last_step")
-        if (before and not drop_residuals and self.on_unapplied == "rewind"
-                and self.module is not None):
-            check_residuals(before, self._shapes, where="residuals_before_last_step")
+        if rewind:
             params = [p for p in self.module.parameters() if p.requires_grad]
             before = {k: v.detach().clone() for k, v in before.items()}
             saved_scale = sd.get("residual_scale")
@@ -3060,8 +3080,8 @@ class OMGSState:
         self._trial, self._trial_plans, self._trial_layout = None, [], None
         if sd.get("trial_layout") and not replan:
             self._trial_layout = tuple(tuple(b) for b in sd["trial_layout"])
-        if sd.get("trial") and not replan and self._pinned is None:
-            self._start_trial_from(plan_selection.Trial.from_state_dict(sd["trial"]))
+        if trial is not None and not replan and self._pinned is None:
+            self._start_trial_from(trial)
         self._regret_checked = bool(sd.get("regret_checked", False))
         self._last_trial = sd.get("last_trial")
         self._resumed_layout = (tuple(tuple(b) for b in sd["layout"]) if sd.get("layout")
@@ -3074,8 +3094,7 @@ class OMGSState:
         self._retrial_steps = int(sd.get("retrial_steps", 0))
         workload = sd.get("trial_workload_s")  # (None in a state saved before it existed)
         self._trial_workload_s = float(workload) if workload is not None else None
-        self._correction = (plan_selection.Correction.from_dict(sd["correction"])
-                            if sd.get("correction") else None)
+        self._correction = correction
         self._plan_history = [dict(e) for e in sd.get("plan_history") or []]
         self._finished.clear()  # this run's steps before the load measure nothing of it
         self._comm_times.load_state_dict(sd.get("comm_times"))

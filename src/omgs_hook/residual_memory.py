@@ -128,12 +128,14 @@ def check_residuals(residuals, expected_shapes=None, where="residuals"):
     has another shape. ``where``: the state dict's key that holds ``residuals`` (named in
     the hint of how to drop an entry)."""
     if not isinstance(residuals, dict):
-        raise ValueError("residuals must be a dict {parameter name: tensor}")
+        raise ValueError(f"{where} must be a dict {{parameter name: tensor}}")
+    # (the state dict's key named where it is not the residuals themselves)
+    prefix = "" if where == "residuals" else f"{where}: "
     for key, tensor in residuals.items():
         if not torch.is_tensor(tensor):
-            raise ValueError(f"residual for {key!r} is not a tensor")
+            raise ValueError(f"{prefix}residual for {key!r} is not a tensor")
         if not tensor.is_floating_point():
-            raise ValueError(f"residual for {key!r} has non-float dtype {tensor.dtype}")
+            raise ValueError(f"{prefix}residual for {key!r} has non-float dtype {tensor.dtype}")
         if expected_shapes is not None:
             if key not in expected_shapes:
                 raise ValueError(
@@ -144,7 +146,7 @@ def check_residuals(residuals, expected_shapes=None, where="residuals"):
                 )
             if tuple(tensor.shape) != tuple(expected_shapes[key]):
                 raise ValueError(
-                    f"residual for {key!r} has shape {tuple(tensor.shape)}, "
+                    f"{prefix}residual for {key!r} has shape {tuple(tensor.shape)}, "
                     f"the parameter has {tuple(expected_shapes[key])}"
                 )
 
