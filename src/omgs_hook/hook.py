@@ -800,6 +800,9 @@ class OMGSState:
         self._consistency_checked = False
         self._layout_streak = (None, 0)
         self._resumed_layout = None  # the checkpoint's last layout (load_state_dict)
+        # how many steps in a row the checkpoint's layout had held, until the first step
+        # after the load has used it (_layout_after_load); None otherwise
+        self._resumed_streak = None
         self._first_due_at = None  # the step the first plan was due at, if it waited
         self._fitter = None
         if self.refit_online:
@@ -1595,6 +1598,7 @@ class OMGSState:
         self._ingest_finished(before_step=exchange.step_number)
         layout = tuple(exchange.layout)
         self.meter.end_step(layout, step=self.step)
+        layout = self._layout_after_load(layout)
         previous, streak = self._layout_streak
         self._layout_streak = (layout, streak + 1 if previous == layout else 1)
         self.step += 1
@@ -1615,6 +1619,26 @@ class OMGSState:
         reason = self._replan_due(layout)
         if reason:
             self._start_replan(layout, reason)
+
+    def _layout_after_load(self, layout):
+        """The layout that counts for the plan at this step: DDP's own, except at the
+        first step after :meth:`load_state_dict` with a plan (or a pinned one) to go on
+        with. That step runs on the new DDP's first, one-bucket layout, which DDP then
+        rebuilds into the checkpoint's; counted as a new layout, it restarted the count
+        of steps a layout must hold before it is planned for (LAYOUT_SETTLE_STEPS), so a
+        run resumed while DDP's rebuilt buckets were settling re-planned (or adopted its
+        pinned plan) later than the uninterrupted run: not bit-identical. That step
+        stands for the checkpoint's layout here, the streak going on from the saved one
+        (the meter keeps its timings under DDP's layout: they measured that one)."""
+        saved, self._resumed_streak = self._resumed_streak, None
+        resumed = self._resumed_layout
+        if saved is None or resumed is None or (
+                self.plan is None and self._pinned is None and self._plan_job is None):
+            # (no plan nor plan job yet: _replan_due waits for DDP's rebuilt layout to
+            # settle, and applies the first plan at the step it was due, _first_due_at)
+            return layout
+        self._layout_streak = (resumed, saved)
+        return resumed
 
     def _start_replan(self, layout, reason):
         """Start a re-plan at the end of a step: take this rank's numbers now and start
@@ -2909,6 +2933,9 @@ class OMGSState:
                        if self._layout_streak[0] is not None else
                        [list(b) for b in self._resumed_layout]
                        if self._resumed_layout is not None else None),
+            # and how many steps in a row it had held (the settle count of a new layout)
+            "layout_streak": (self._layout_streak[1] if self._layout_streak[0] is not None
+                              else self._resumed_streak or 0),
             "first_due_at": self._first_due_at,
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if self._model_key is not None else None),
@@ -3086,6 +3113,9 @@ class OMGSState:
         self._last_trial = sd.get("last_trial")
         self._resumed_layout = (tuple(tuple(b) for b in sd["layout"]) if sd.get("layout")
                                 else None)
+        # (0 in a state saved before the count was: the new layout counted from 1, as then)
+        self._resumed_streak = (int(sd.get("layout_streak") or 0)
+                                if self._resumed_layout is not None else None)
         due = sd.get("first_due_at")
         self._first_due_at = int(due) if due is not None else None
         key = sd.get("model_key")
