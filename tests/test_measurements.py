@@ -82,6 +82,28 @@ def test_interrupted_step_is_not_recorded():
     assert meter.backward_s() == []
 
 
+def test_a_discarded_step_keeps_the_layout_and_samples_before_it():
+    """The first step after a resume runs on DDP's transient one-bucket layout and stands
+    for the checkpoint's (OMGSState._layout_after_load): recorded, it cleared that
+    layout's samples, and a re-plan due at that step read zeros for its backward."""
+    meter = BackwardMeter(window=4)
+    clock = meter.clock = FakeClock()
+    layout = (("a",), ("b",))
+    run_step(meter, clock, [(3.0, 3.0, 3.0), (5.0, 5.0, 5.0)], layout)
+    clock.now = 0.0
+    meter._fwd_start = clock.mark()
+    clock.now = 1.0
+    meter.forward_finished()
+    clock.now = 9.0
+    meter.bucket_arrived(0)
+    meter.sends_started()
+    meter.sends_finished()
+    meter.end_step((("a", "b"),), discard=True)
+    assert meter.layout == layout and meter.backward_s() == pytest.approx([2.0, 2.0])
+    meter.end_step((("a", "b"),))  # the same step recorded: the layout moves
+    assert meter.layout == (("a", "b"),)
+
+
 def test_tail_is_write_back_to_next_forward(monkeypatch):
     times = iter([10.0, 20.0, 30.0])
     monkeypatch.setattr(measurements.time, "perf_counter", lambda: next(times))

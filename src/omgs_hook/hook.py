@@ -1596,9 +1596,12 @@ class OMGSState:
                 raise ValueError(f"residual for {unplaced[0]!r} ({len(unplaced)} in all): no "
                                  f"such parameter in the model: {MODULELESS_NAMES}")
         self._ingest_finished(before_step=exchange.step_number)
-        layout = tuple(exchange.layout)
-        self.meter.end_step(layout, step=self.step)
-        layout = self._layout_after_load(layout)
+        ddp_layout = tuple(exchange.layout)
+        layout = self._layout_after_load(ddp_layout)
+        # a step that stands for the checkpoint's layout ran on DDP's transient one: its
+        # timings fit no plan, and the meter keeps the checkpoint's (a re-plan due at this
+        # step is made from them, as in the uninterrupted run)
+        self.meter.end_step(ddp_layout, step=self.step, discard=layout != ddp_layout)
         previous, streak = self._layout_streak
         self._layout_streak = (layout, streak + 1 if previous == layout else 1)
         self.step += 1
@@ -1628,8 +1631,7 @@ class OMGSState:
         of steps a layout must hold before it is planned for (LAYOUT_SETTLE_STEPS), so a
         run resumed while DDP's rebuilt buckets were settling re-planned (or adopted its
         pinned plan) later than the uninterrupted run: not bit-identical. That step
-        stands for the checkpoint's layout here, the streak going on from the saved one
-        (the meter keeps its timings under DDP's layout: they measured that one)."""
+        stands for the checkpoint's layout here, the streak going on from the saved one."""
         saved, self._resumed_streak = self._resumed_streak, None
         resumed = self._resumed_layout
         if saved is None or resumed is None or (

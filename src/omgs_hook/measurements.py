@@ -193,17 +193,19 @@ class BackwardMeter:
         return self._last_fwd_start_wall
 
     # -- bookkeeping ------------------------------------------------------------
-    def end_step(self, layout, step=None):
+    def end_step(self, layout, step=None, discard=False):
         """Close the step (number ``step``) whose buckets form ``layout``; resolve what can
-        be resolved."""
-        marks = (self._fwd_start, self._fwd_end, list(self._arrive),
-                 list(zip(self._send_start, self._send_end)), layout, self._step_tail, step)
+        be resolved. ``discard``: record nothing of this step (its layout is one no plan
+        is made for; the samples of the layout before it are kept)."""
+        marks = (None if discard else
+                 (self._fwd_start, self._fwd_end, list(self._arrive),
+                  list(zip(self._send_start, self._send_end)), layout, self._step_tail, step))
         self._last_step = step
         if isinstance(self.clock, CudaClock):
             previous, self._pending = self._pending, marks
             if previous is not None:
                 self._record(*previous)
-        else:
+        elif marks is not None:
             self._record(*marks)
         self._fwd_start = self._fwd_end = None
 
