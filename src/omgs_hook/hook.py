@@ -900,6 +900,9 @@ class OMGSState:
         # keys whose gradient this rank computed since the last synchronised step, where
         # track_local_use() installed the hooks that note them; None: not tracked
         self._used_keys = None
+        # (weakly) the DDP model register() put the hook on: whether it has a static
+        # graph, which delays DDP's bucket rebuild by a step; None: registered by hand
+        self._ddp_ref = None
         # per step (see _start_group_tracking): the plan's key -> group map, and how many
         # parameters of each group have not arrived (0: the group is sent)
         self._group_of = (None, {})
@@ -2225,7 +2228,7 @@ class OMGSState:
                 self.plan = dataclasses.replace(
                     self.plan, predicted_iteration_s=self._model_check["predicted_s"])
                 return
-        if self.step >= 2:  # (step 0's buckets are DDP's first guess: it rebuilds them)
+        if self.step > self._first_guess_steps():  # (the layout is of step self.step - 1)
             self._warn_if_coarse(layout, [u.numel for u in instance.layers])
         kept = self.plan
         periodic = (self.select == "measured" and reason == "periodic" and kept is not None
@@ -2459,6 +2462,13 @@ class OMGSState:
             self._plan_in_use_from(self.step, check=(job["reason"] != "check"
                                                      and not self._awaiting_overhead))
         logger.debug("omgs_hook: step %d new plan %s", self.step, plan.unit_groups())
+
+    def _first_guess_steps(self):
+        """How many first steps run DDP's first guess of the buckets before it rebuilds
+        them: 1, or 2 with ``static_graph=True`` (it rebuilds one iteration later), known
+        where register() was given the DDP model."""
+        ddp = self._ddp_ref() if self._ddp_ref is not None else None
+        return 2 if getattr(ddp, "static_graph", False) else 1
 
     def _warn_if_coarse(self, layout, numels):
         """Warn (once) when DDP's buckets leave the planner little to choose from."""
@@ -3234,6 +3244,7 @@ def register(ddp_model, **options):
         raise RuntimeError("omgs_hook.register: this DDP model already has the OMGS hook")
     options.setdefault("process_group", ddp_model.process_group)
     state = OMGSState(module=ddp_model.module, **options)
+    state._ddp_ref = weakref.ref(ddp_model)
     # every DDP mode: besides find_unused_parameters, a rank that joined (ddp.join())
     # runs shadow steps with no backward of its own while its last .grad is still set
     state.track_local_use()
