@@ -1287,6 +1287,9 @@ class OMGSState:
         exchange = None
         try:
             arrived = None
+            delayed = index == 0 and self._delayed_bucket(bucket)
+            if delayed:
+                index = len(self._exchange.layout)
             if index == 0:
                 if self._pending_replan is not None:
                     # bucket 0's backward ended here: the re-plan finished at the start of
@@ -1303,7 +1306,8 @@ class OMGSState:
             for key, param in zip(keys, params):
                 self.memory.note_layout(key, param)
             future = exchange.add_bucket(bucket, keys, params, used=self._used_keys)
-            if self._used_keys is not None and bucket.is_last():
+            last = bucket.is_last() or (delayed and self._all_delayed_arrived(exchange))
+            if self._used_keys is not None and last:
                 # the marks of no_sync() steps count until here, as DDP's own do
                 self._used_keys.clear()
             # the two-level stages waited for here are the groups' own work (their
@@ -1314,7 +1318,6 @@ class OMGSState:
             # counted as this bucket's backward)
             exchange.write_back_completed()
             exchange.advance()  # two-level groups in flight: one stage on
-            last = bucket.is_last()
             if self._in_dense_mode():
                 exchange.send_group(keys, dense=True)
             else:
@@ -1338,6 +1341,33 @@ class OMGSState:
                 exchange.fail_all(exc)
             raise
         return future
+
+    def _delayed_bucket(self, bucket):
+        """True for a bucket that DDP numbers 0 but that continues this backward: with
+        ``static_graph=True`` DDP's first iteration reduces every bucket after the
+        backward (its delayed all-reduce), numbers each of them 0 and marks none of them
+        last when it has several (a model of several dtypes: one bucket per dtype). Such a
+        bucket holds parameters the step's unfinished exchange has not received yet (a
+        bucket 0 after a backward that raised midway holds received ones)."""
+        exchange = self._exchange
+        if exchange is None or exchange.finished or not exchange.layout:
+            return False
+        if any(self._key(p) in exchange.arrived for p in bucket.parameters()):
+            return False
+        if self.module is None:  # (parameters are then only known as they arrive)
+            raise RuntimeError(
+                "omgs_hook: DDP handed over several buckets numbered 0 in one backward (the "
+                "first iteration of static_graph=True with parameters of several dtypes); "
+                "the hook then needs the module to know the last one: register it with "
+                "omgs_hook.register(ddp_model, ...) or OMGSState(module=...)")
+        return True
+
+    def _all_delayed_arrived(self, exchange):
+        """In DDP's delayed all-reduce (:meth:`_delayed_bucket`): whether every parameter
+        DDP reduces has arrived, so that this bucket is the last."""
+        ddp = self._ddp_ref() if self._ddp_ref is not None else None
+        ignored = getattr(ddp, "parameters_to_ignore", ())
+        return all(name in exchange.arrived for name in self._shapes if name not in ignored)
 
     def _issue_ready_probe(self):
         """At the end of a step after which the pending plan job may be put in use (the
