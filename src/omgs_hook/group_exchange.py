@@ -179,11 +179,14 @@ class StepExchange:
         self.layout.append(tuple(keys))
         for key, grad, param in zip(keys, grads, params):
             self.arrived[key] = (index, grad.view(-1), _offset_in(grad, buffer))
-            if param.grad is None or (used is not None and key not in used
-                                      and not bool(grad.any())):
+            if param.grad is None or not param.requires_grad or (
+                    used is not None and key not in used and not bool(grad.any())):
                 # unused here: no .grad (zero_grad(set_to_none=True)), or a .grad that
                 # zero_grad(set_to_none=False) left at zero. The zero test is the guard:
-                # a gradient that holds anything is sent as any other
+                # a gradient that holds anything is sent as any other - except that of a
+                # parameter frozen since DDP was built, which no backward computes: its
+                # .grad is a stale one DDP hands over again every step (and drops the
+                # result of); sent, it was added to the residual each step and spent
                 self.parked.add(key)
         future = _bucket_future(buffer.device)
         with self._lock:
