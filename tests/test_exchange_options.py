@@ -21,7 +21,8 @@ class FakeBucket:
         for g in grads:
             self._grads.append(self._buffer[offset:offset + g.numel()])
             offset += g.numel()
-        self.params = [types.SimpleNamespace(grad=g) for g in self._grads]
+        # (stand-ins for the parameters: a gradient, and trainable as DDP's are)
+        self.params = [types.SimpleNamespace(grad=g, requires_grad=True) for g in self._grads]
 
     def buffer(self):
         return self._buffer
