@@ -719,6 +719,10 @@ def test_a_checkpoint_that_does_not_fit_a_moduleless_state_is_refused(source, ta
     ("trial", {"candidates": []}),                          # no "start_step"
     ("correction", {"scale": "fast"}),
     ("residuals_before_last_step", {"0.weight": torch.ones(5)}),  # wrong shape
+    ("layout", 3),
+    ("trial_layout", [1, 2]),
+    ("layout_streak", "x"),
+    ("first_due_at", [4]),
 ])
 def test_a_malformed_checkpoint_field_is_refused_before_anything_is_loaded(field, bad):
     """A hand-edited checkpoint with a malformed plan, trial or correction failed with a

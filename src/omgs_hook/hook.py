@@ -803,6 +803,7 @@ class OMGSState:
         # how many steps in a row the checkpoint's layout had held, until the first step
         # after the load has used it (_layout_after_load); None otherwise
         self._resumed_streak = None
+        self._stand_ins_left = 0  # steps after a load still to stand for its layout
         self._first_due_at = None  # the step the first plan was due at, if it waited
         self._fitter = None
         if self.refit_online:
@@ -1365,9 +1366,29 @@ class OMGSState:
     def _all_delayed_arrived(self, exchange):
         """In DDP's delayed all-reduce (:meth:`_delayed_bucket`): whether every parameter
         DDP reduces has arrived, so that this bucket is the last."""
+        return all(key in exchange.arrived for key in self._ddp_reduced_keys())
+
+    def _ddp_reduced_keys(self):
+        """The keys of the parameters DDP's reducer holds, chosen as DDP chooses them
+        (``DistributedDataParallel._build_params_for_reducer``): trainable, not named in
+        its ``parameters_to_ignore`` as ``f"{module_name}.{param_name}"``, shared ones
+        once. Without the DDP model (``register_comm_hook`` by hand) the ignore list is
+        read where DDP reads it, the module's ``_ddp_params_and_buffers_to_ignore``."""
         ddp = self._ddp_ref() if self._ddp_ref is not None else None
-        ignored = getattr(ddp, "parameters_to_ignore", ())
-        return all(name in exchange.arrived for name in self._shapes if name not in ignored)
+        module = ddp.module if ddp is not None else self.module
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = module.module  # (OMGSState(module=ddp_model))
+        ignored = getattr(ddp, "parameters_to_ignore", None)
+        if ignored is None:
+            ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        seen, keys = set(), []
+        for module_name, sub in module.named_modules():
+            for name, param in sub.named_parameters(recurse=False):
+                if (param.requires_grad and f"{module_name}.{name}" not in ignored
+                        and id(param) not in seen):
+                    seen.add(id(param))
+                    keys.append(self._key(param))
+        return keys
 
     def _issue_ready_probe(self):
         """At the end of a step after which the pending plan job may be put in use (the
@@ -1667,12 +1688,22 @@ class OMGSState:
         stands for the checkpoint's layout here, the streak going on from the saved one."""
         saved, self._resumed_streak = self._resumed_streak, None
         resumed = self._resumed_layout
-        if saved is None or resumed is None or (
-                self.plan is None and self._pinned is None and self._plan_job is None):
-            # (no plan nor plan job yet: _replan_due waits for DDP's rebuilt layout to
-            # settle, and applies the first plan at the step it was due, _first_due_at)
+        if saved is not None:  # the first step after the load
+            if resumed is None or (
+                    self.plan is None and self._pinned is None and self._plan_job is None):
+                # (no plan nor plan job yet: _replan_due waits for DDP's rebuilt layout to
+                # settle, and applies the first plan at the step it was due, _first_due_at)
+                return layout
+            self._layout_streak = (resumed, saved)
+            # DDP runs its first guess for 1 step, 2 with static_graph=True (it rebuilds
+            # one iteration later): each of them stands for the checkpoint's layout
+            self._stand_ins_left = self._first_guess_steps()
+        if not self._stand_ins_left:
             return layout
-        self._layout_streak = (resumed, saved)
+        self._stand_ins_left -= 1
+        if layout == resumed:  # DDP's own layout is the checkpoint's (rebuilt, or never new)
+            self._stand_ins_left = 0
+            return layout
         return resumed
 
     def _start_replan(self, layout, reason):
@@ -3044,8 +3075,8 @@ class OMGSState:
         """``parse(sd[name])``, None where the field is absent or empty; a malformed
         field raises ValueError naming it (not a KeyError from deep inside)."""
         value = sd.get(name)
-        if not value:
-            return None
+        if value is None or (isinstance(value, (dict, list, tuple, str)) and not value):
+            return None  # (a number 0 is parsed)
         try:
             return parse(value)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
@@ -3055,10 +3086,12 @@ class OMGSState:
     def load_state_dict(self, sd):
         """Restore a ``state_dict()`` (before the first step of the new run).
 
-        Validates everything first and raises ValueError naming the problem: unknown
-        format, residuals for parameters the module does not have or of the wrong shape,
-        a different world size or topology, or a state saved by another rank (see
-        ``on_world_size_change``). Loaded later in a run, every rank must load at the
+        Validates first and raises ValueError naming the problem, before anything of the
+        state changes: unknown format, residuals for parameters the module does not have
+        or of the wrong shape, a different world size or topology, a state saved by
+        another rank (see ``on_world_size_change``), a malformed plan, trial, correction,
+        layout or count. (A saved plan job or trial that does not fit the saved layout -
+        only a hand-edited file holds one - fails later in the load.) Loaded later in a run, every rank must load at the
         same point; the next step compares the ranks' states again (step, plan, trial)
         and raises on every rank when they differ.
         """
@@ -3077,6 +3110,10 @@ class OMGSState:
             v, default_exchange=self._registered_exchange()))
         trial = self._parsed_field(sd, "trial", plan_selection.Trial.from_state_dict)
         correction = self._parsed_field(sd, "correction", plan_selection.Correction.from_dict)
+        layouts = {name: self._parsed_field(sd, name, lambda v: tuple(tuple(b) for b in v))
+                   for name in ("trial_layout", "layout")}
+        counts = {name: self._parsed_field(sd, name, int)
+                  for name in ("layout_streak", "first_due_at")}
         before = sd.get("residuals_before_last_step")
         rewind = bool(before) and not drop_residuals and self.on_unapplied == "rewind" \
             and self.module is not None
@@ -3147,19 +3184,21 @@ class OMGSState:
             if k in self._totals:
                 self._totals[k] = int(v)
         self._trial, self._trial_plans, self._trial_layout = None, [], None
-        if sd.get("trial_layout") and not replan:
-            self._trial_layout = tuple(tuple(b) for b in sd["trial_layout"])
+        if layouts["trial_layout"] and not replan:
+            self._trial_layout = layouts["trial_layout"]
         if trial is not None and not replan and self._pinned is None:
             self._start_trial_from(trial)
         self._regret_checked = bool(sd.get("regret_checked", False))
         self._last_trial = sd.get("last_trial")
-        self._resumed_layout = (tuple(tuple(b) for b in sd["layout"]) if sd.get("layout")
-                                else None)
+        self._resumed_layout = layouts["layout"]
         # (0 in a state saved before the count was: the new layout counted from 1, as then)
-        self._resumed_streak = (int(sd.get("layout_streak") or 0)
+        self._resumed_streak = (counts["layout_streak"] or 0
                                 if self._resumed_layout is not None else None)
-        due = sd.get("first_due_at")
-        self._first_due_at = int(due) if due is not None else None
+        # this state's own last layout is not the checkpoint's (a load mid-run: a state
+        # saved now must carry the checkpoint's, as state_dict reads this first)
+        self._layout_streak = (None, 0)
+        self._stand_ins_left = 0
+        self._first_due_at = counts["first_due_at"]
         key = sd.get("model_key")
         self._model_key = ((tuple(tuple(g) for g in key[0]), tuple(bool(d) for d in key[1]))
                            if key else None)
