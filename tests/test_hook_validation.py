@@ -314,6 +314,29 @@ def test_register_twice_is_an_error():
     assert "refused" in messages[1]
 
 
+def skip_unused_worker(rank, world_size):
+    ddp = DDP(nn.Linear(4, 4), find_unused_parameters=True,
+              skip_all_reduce_unused_params=True)
+    try:
+        omgs_hook.register(ddp)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_ddp_that_skips_buckets_of_unused_parameters_is_refused():
+    # DDP(skip_all_reduce_unused_params=True) (torch 2.13) never hands over a bucket
+    # whose parameters all went unused: with an unused layer in the last bucket the hook
+    # never saw a step end - steps counted 0 and a sparse first step hung
+    import inspect
+
+    if "skip_all_reduce_unused_params" not in inspect.signature(DDP.__init__).parameters:
+        pytest.skip("this torch's DDP has no skip_all_reduce_unused_params")
+    (message,) = run_ranks("test_hook_validation", "skip_unused_worker", world_size=1)
+    assert message and "skip_all_reduce_unused_params" in message, message
+
+
 def world_size_policy_worker(rank, world_size):
     saved = {
         "format_version": 1, "step": 10, "world_size": 4, "rank": 0, "density": 0.01,

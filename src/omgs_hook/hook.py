@@ -3311,6 +3311,14 @@ def register(ddp_model, **options):
         )
     if ddp_model in _REGISTERED:
         raise RuntimeError("omgs_hook.register: this DDP model already has the OMGS hook")
+    if getattr(ddp_model, "skip_all_reduce_unused_params", False):
+        # DDP then never hands over a bucket whose parameters all went unused, the last
+        # one included: the hook would never see a step end (a sparse step hung)
+        raise ValueError(
+            "omgs_hook.register: DDP(skip_all_reduce_unused_params=True) is not supported: "
+            "DDP skips the hook for a bucket of unused parameters, so the hook cannot tell "
+            "where a step ends. Construct DDP without it; the hook already sends nothing "
+            "for a parameter no rank used and keeps its residual")
     options.setdefault("process_group", ddp_model.process_group)
     state = OMGSState(module=ddp_model.module, **options)
     state._ddp_ref = weakref.ref(ddp_model)
