@@ -1,8 +1,6 @@
 """DDP's first iterations: static_graph's delayed all-reduce (every bucket numbered 0), its
 first-guess bucket layout held for two steps, and a resume or rollback while DDP's rebuilt
 layout settles; 2 gloo ranks."""
-import gc
-import os
 
 import pytest
 import torch
@@ -15,58 +13,19 @@ from test_hook_ddp import DENSITY, Net, _train_planner_settled, gather, train_st
 pytestmark = pytest.mark.multiprocess
 
 
-def static_resume_worker(rank, world_size, hook_options, ckpt_dir, first, second):
-    """test_hook_ddp.resume_worker with DDP(static_graph=True): DDP runs its first guess
-    of the buckets for two iterations (it rebuilds one iteration later), in the
-    uninterrupted run and again in the resumed one."""
-    def build():
-        torch.manual_seed(0)
-        model = Net()
-        ddp = DDP(model, bucket_cap_mb=0, static_graph=True)
-        state = omgs_hook.register(ddp, density=DENSITY, **hook_options)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        return model, ddp, state, opt
-
-    model, ddp, state, opt = build()
-    _train_planner_settled(ddp, opt, state, 0, first, rank)
-    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "hook": state.state_dict()}, path)
-    _train_planner_settled(ddp, opt, state, first, first + second, rank)
-    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
-    history = [e.get("step") for e in state.stats().get("plan_history", [])]
-    state.close()
-    del ddp, state, model, opt
-    gc.collect()
-
-    model, ddp, state, opt = build()
-    ckpt = torch.load(path, weights_only=True)
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    state.load_state_dict(ckpt["hook"])
-    _train_planner_settled(ddp, opt, state, first, first + second, rank)
-    resumed = {n: p.detach().clone() for n, p in model.named_parameters()}
-    resumed_history = [e.get("step") for e in state.stats().get("plan_history", [])]
-    state.close()
-    return {
-        "identical": all(torch.equal(uninterrupted[n], resumed[n]) for n in uninterrupted),
-        "max_diff": max(float((uninterrupted[n] - resumed[n]).abs().max())
-                        for n in uninterrupted),
-        "history": (history, resumed_history),
-    }
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("first", [3, 4])
 def test_static_graph_resume_while_the_rebuilt_layout_settles_is_bit_identical(tmp_path, first):
-    results = run_ranks("test_first_iterations", "static_resume_worker", world_size=2,
-                        timeout=200,
+    # DDP(static_graph=True) runs its first guess of the buckets for two iterations (it
+    # rebuilds one iteration later), in the uninterrupted run and again in the resumed one
+    results = run_ranks("test_hook_ddp", "resume_worker", world_size=2, timeout=200,
+                        ddp_options={"static_graph": True},
                         hook_options={"strategy": "layerwise", "warmup_steps": 1,
                                       "replan_every": 1000, "allow_dense": False,
                                       "select": "model"},
                         ckpt_dir=str(tmp_path), first=first, second=8)
     for r in results:
-        assert r["identical"], (r["max_diff"], r["history"])
+        assert r["identical"], (r["max_diff"], r["plan"])
 
 
 def hand_registered_ignore_worker(rank, world_size, warmup_steps):

@@ -205,13 +205,15 @@ def _train_planner_settled(ddp, opt, state, start, stop, rank):
             time.sleep(0.005)
 
 
-def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second, resave=False):
+def resume_worker(rank, world_size, hook_options, ckpt_dir, first, second, resave=False,
+                  ddp_options=None):
     """``resave``: the resumed run saves the hook state again before its first step (a
-    checkpoint at the start of an epoch) and a third process resumes from that one."""
+    checkpoint at the start of an epoch) and a third process resumes from that one.
+    ``ddp_options``: more DDP arguments (``static_graph``)."""
     def build():
         torch.manual_seed(0)
         model = Net()
-        ddp = DDP(model, bucket_cap_mb=0)
+        ddp = DDP(model, bucket_cap_mb=0, **(ddp_options or {}))
         state = omgs_hook.register(ddp, density=DENSITY, **hook_options)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         return model, ddp, state, opt
