@@ -19,11 +19,11 @@ class FakeClock:
         return end - start
 
 
-def run_step(meter, clock, script, layout, step=None, start_forward=True):
+def run_step(meter, clock, script, layout, step=None, start_forward=True, discard=False):
     """script: per bucket (arrival time, send start, send end); forward 0..1.
 
     With ``start_forward=False`` the caller already called ``meter.forward_started()``
-    (at fake time 0)."""
+    (at fake time 0). ``discard``: the step ends with ``end_step(discard=True)``."""
     if start_forward:
         clock.now = 0.0
         meter._fwd_start = clock.mark()
@@ -36,7 +36,7 @@ def run_step(meter, clock, script, layout, step=None, start_forward=True):
         meter.sends_started()
         clock.now = send_to
         meter.sends_finished()
-    meter.end_step(layout, step=step)
+    meter.end_step(layout, step=step, discard=discard)
 
 
 def test_backward_excludes_group_sends_but_keeps_bookkeeping():
@@ -90,17 +90,9 @@ def test_a_discarded_step_keeps_the_layout_and_samples_before_it():
     clock = meter.clock = FakeClock()
     layout = (("a",), ("b",))
     run_step(meter, clock, [(3.0, 3.0, 3.0), (5.0, 5.0, 5.0)], layout)
-    clock.now = 0.0
-    meter._fwd_start = clock.mark()
-    clock.now = 1.0
-    meter.forward_finished()
-    clock.now = 9.0
-    meter.bucket_arrived(0)
-    meter.sends_started()
-    meter.sends_finished()
-    meter.end_step((("a", "b"),), discard=True)
+    run_step(meter, clock, [(9.0, 9.0, 9.0)], (("a", "b"),), discard=True)
     assert meter.layout == layout and meter.backward_s() == pytest.approx([2.0, 2.0])
-    meter.end_step((("a", "b"),))  # the same step recorded: the layout moves
+    run_step(meter, clock, [(9.0, 9.0, 9.0)], (("a", "b"),))  # recorded: the layout moves
     assert meter.layout == (("a", "b"),)
 
 

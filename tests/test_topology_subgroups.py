@@ -70,15 +70,22 @@ def test_bad_subgroup_options_name_the_option():
 
 
 # ------------------------------------------------------------------------ on gloo ranks
+def _replica_group(rank, groups):
+    """This rank's process group of ``groups``; every rank creates every group, in the
+    same order (as dist.new_group requires)."""
+    mine = None
+    for members in groups:
+        group = dist.new_group(members)
+        if rank in members:
+            mine = group
+    return mine
+
+
 def subgroup_worker(rank, world_size, local_world_size, groups, topology="auto"):
     """Each group of ranks trains its own DDP model with the default register() options
     (sparse from the second step); returns its parameters, stats and any error."""
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
-    mine = None
-    for members in groups:  # every rank creates every group, in the same order
-        group = dist.new_group(members)
-        if rank in members:
-            mine = group
+    mine = _replica_group(rank, groups)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     ddp = DDP(model, process_group=mine, bucket_cap_mb=0.001)
@@ -155,11 +162,7 @@ def test_an_explicit_two_level_exchange_on_a_subgroup_is_refused_on_every_rank()
 def rank_zero_checkpoint_worker(rank, world_size, path):
     """Two replica groups, [0, 1] and [2, 3]; global rank 0 alone writes the hook's state
     (the usual pattern for model weights) and every rank loads it."""
-    mine = None
-    for members in ([0, 1], [2, 3]):
-        group = dist.new_group(members)
-        if rank in members:
-            mine = group
+    mine = _replica_group(rank, ([0, 1], [2, 3]))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     ddp = DDP(model, process_group=mine, bucket_cap_mb=0)

@@ -1374,7 +1374,7 @@ class OMGSState:
         its ``parameters_to_ignore`` as ``f"{module_name}.{param_name}"``, shared ones
         once. Without the DDP model (``register_comm_hook`` by hand) the ignore list is
         read where DDP reads it, the module's ``_ddp_params_and_buffers_to_ignore``."""
-        ddp = self._ddp_ref() if self._ddp_ref is not None else None
+        ddp = self._registered_ddp()
         module = ddp.module if ddp is not None else self.module
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             module = module.module  # (OMGSState(module=ddp_model))
@@ -1684,8 +1684,9 @@ class OMGSState:
         rebuilds into the checkpoint's; counted as a new layout, it restarted the count
         of steps a layout must hold before it is planned for (LAYOUT_SETTLE_STEPS), so a
         run resumed while DDP's rebuilt buckets were settling re-planned (or adopted its
-        pinned plan) later than the uninterrupted run: not bit-identical. That step
-        stands for the checkpoint's layout here, the streak going on from the saved one."""
+        pinned plan) later than the uninterrupted run: not bit-identical. That step (and,
+        with ``static_graph=True``, the next: DDP keeps its first guess for two) stands
+        for the checkpoint's layout here, the streak going on from the saved one."""
         saved, self._resumed_streak = self._resumed_streak, None
         resumed = self._resumed_layout
         if saved is not None:  # the first step after the load
@@ -2528,8 +2529,11 @@ class OMGSState:
         """How many first steps run DDP's first guess of the buckets before it rebuilds
         them: 1, or 2 with ``static_graph=True`` (it rebuilds one iteration later), known
         where register() was given the DDP model."""
-        ddp = self._ddp_ref() if self._ddp_ref is not None else None
-        return 2 if getattr(ddp, "static_graph", False) else 1
+        return 2 if getattr(self._registered_ddp(), "static_graph", False) else 1
+
+    def _registered_ddp(self):
+        """The DDP model register() put the hook on (None: registered by hand, or gone)."""
+        return self._ddp_ref() if self._ddp_ref is not None else None
 
     def _warn_if_coarse(self, layout, numels):
         """Warn (once) when DDP's buckets leave the planner little to choose from."""
@@ -2966,6 +2970,12 @@ class OMGSState:
         # the finished steps' measurements, which the next step would have fed to the
         # meters before its re-plan: the resumed run's meters start where this one's are
         self._ingest_finished()
+        # DDP's buckets at the last step, and how many steps in a row they had held; with
+        # no step since a load, the loaded ones (saved again right after the load, the
+        # state must carry them on, or the next resume plans over DDP's first layout)
+        layout, streak = self._layout_streak
+        if layout is None:
+            layout, streak = self._resumed_layout, self._resumed_streak or 0
         return {
             "format_version": STATE_FORMAT_VERSION,
             "step": self.step,
@@ -2998,17 +3008,10 @@ class OMGSState:
                              if self._trial_layout is not None else None),
             "regret_checked": self._regret_checked,
             "last_trial": self._last_trial,
-            # DDP's buckets at the last step: a resumed run's first steps run on DDP's
-            # first, one-bucket layout, and its first plan waits for these
-            # (no step since a load: the loaded one, or a state saved again right after
-            # the load would send the next resume's first plan over DDP's first layout)
-            "layout": ([list(b) for b in self._layout_streak[0]]
-                       if self._layout_streak[0] is not None else
-                       [list(b) for b in self._resumed_layout]
-                       if self._resumed_layout is not None else None),
-            # and how many steps in a row it had held (the settle count of a new layout)
-            "layout_streak": (self._layout_streak[1] if self._layout_streak[0] is not None
-                              else self._resumed_streak or 0),
+            # a resumed run's first steps run on DDP's first, one-bucket layout: its first
+            # plan waits for these, and its settle count goes on from this one
+            "layout": [list(b) for b in layout] if layout is not None else None,
+            "layout_streak": streak,
             "first_due_at": self._first_due_at,
             "model_key": ([[list(g) for g in self._model_key[0]], list(self._model_key[1])]
                           if self._model_key is not None else None),
@@ -3091,9 +3094,9 @@ class OMGSState:
         or of the wrong shape, a different world size or topology, a state saved by
         another rank (see ``on_world_size_change``), a malformed plan, trial, correction,
         layout or count. (A saved plan job or trial that does not fit the saved layout -
-        only a hand-edited file holds one - fails later in the load.) Loaded later in a run, every rank must load at the
-        same point; the next step compares the ranks' states again (step, plan, trial)
-        and raises on every rank when they differ.
+        only a hand-edited file holds one - fails later in the load.) Loaded later in a
+        run, every rank must load at the same point; the next step compares the ranks'
+        states again (step, plan, trial) and raises on every rank when they differ.
         """
         if not isinstance(sd, dict) or sd.get("format_version") != STATE_FORMAT_VERSION:
             raise ValueError(
