@@ -303,6 +303,18 @@ def test_the_summary_of_a_dense_run_does_not_wait_for_a_plan():
     assert "no plan yet (dense warm-up of 3 steps)" in sparse and "achieved density" in sparse
 
 
+def test_the_summary_says_more_or_as_much_when_sparse_saves_nothing():
+    """The summary printed "(1.0x less)" for a step that sent as much as a dense one and
+    "(0.5x less)" for one that sent twice as much (a high density: an index per value)."""
+    from omgs_hook.hook import _saving
+
+    assert _saving(1_000, 12_300) == "12.3x less"
+    assert _saving(1_000, 1_000) == "as much"
+    assert _saving(2_000, 1_000) == "2.0x more"
+    assert _saving(1_000, 1_020) == "as much"  # 1.02x reads 1.0x: not "1.0x less"
+    assert _saving(0, 1_000) == "nothing sent"
+
+
 def eval_forward_worker(rank, world_size):
     import time
 

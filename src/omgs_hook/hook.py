@@ -2881,9 +2881,9 @@ class OMGSState:
             lines.append(f"  achieved density after the warm-up: {total['density']:.4g} "
                          f"(sparse groups alone: {total['sparse_group_density']:.4g})")
         if last:
-            ratio = last["dense_bytes"] / last["bytes_sent"] if last["bytes_sent"] else 0.0
             lines.append(f"  bytes sent per step: {last['bytes_sent'] / 1e3:,.1f} kB against "
-                         f"{last['dense_bytes'] / 1e3:,.1f} kB dense ({ratio:.1f}x less); "
+                         f"{last['dense_bytes'] / 1e3:,.1f} kB dense "
+                         f"({_saving(last['bytes_sent'], last['dense_bytes'])}); "
                          f"to other nodes {last['inter_node_bytes'] / 1e3:,.1f} kB, within "
                          f"the node {last['intra_node_bytes'] / 1e3:,.1f} kB")
         predicted = s["predicted_iteration_s"]
@@ -3296,6 +3296,19 @@ def omgs_hook(state, bucket):
 # the state made copy.deepcopy(ddp_model) and torch.save(ddp_model) fail on its process
 # group; a copy of a DDP model has no hook anyway, DDP rebuilds its reducer without one)
 _REGISTERED = weakref.WeakKeyDictionary()
+
+
+def _saving(sent, dense):
+    """``sent`` bytes against ``dense`` bytes in words: "12.3x less", "1.6x more" (a
+    density high enough that indices cost more than they save) or "as much"."""
+    if sent <= 0:
+        return "nothing sent"
+    ratio = dense / sent
+    if round(ratio, 1) > 1.0:
+        return f"{ratio:.1f}x less"
+    if round(1 / ratio, 1) > 1.0:
+        return f"{1 / ratio:.1f}x more"
+    return "as much"
 
 
 def register(ddp_model, **options):
