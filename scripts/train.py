@@ -73,6 +73,8 @@ TOPK_CHOICES = ("auto",) + tuple(TOPK_BACKENDS)
 PG_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 # planner strategy behind each omgs_hook-based --hook choice
 HOOK_STRATEGIES = {"topk": "single", "lags": "layerwise", "omgs": "optimal"}
+# the papers' baselines: every group sparse unless --allow-dense asks otherwise
+SPARSE_BASELINES = ("topk", "lags")
 CHECKPOINT_FORMAT = "omgs-hook-train-checkpoint"
 CHECKPOINT_VERSION = 1
 # Image size per CNN when training on digits: ResNet-20 learns the 8x8 originals fine
@@ -109,7 +111,8 @@ def parse_args(argv=None):
     add("--hook", choices=HOOKS, default="omgs",
         help="gradient communication: allreduce (DDP's own, no hook), powersgd (PyTorch's "
              "powerSGD_hook), topk (TopK-SGD: one group), lags (LAGS-SGD: a group per "
-             "bucket), omgs (OMGS-SGD: planned groups); see docs/training.md")
+             "bucket), omgs (OMGS-SGD: planned groups); topk and lags send every group "
+             "sparse unless --allow-dense; see docs/training.md")
     add("--synthetic", action="store_true",
         help="random CIFAR-shaped images / random tokens instead of the real data")
     add("--image-size", type=int, default=None,
@@ -164,7 +167,7 @@ def parse_args(argv=None):
     add("--allow-dense", action=argparse.BooleanOptionalAction, default=None,
         help="omgs hooks: let the planner send a group as a dense all-reduce where that is "
              "cheaper (allow_dense); --no-allow-dense sparsifies every group, as the paper "
-             "does (default: the library's default)")
+             "does (default: off for topk and lags, the library's default for omgs)")
     # SUPPRESS: the default is --allow-dense's (None: the library's), not store_false's True
     add("--no-dense-groups", dest="allow_dense", action="store_false", default=argparse.SUPPRESS,
         help="omgs hooks: the same as --no-allow-dense (older spelling)")
@@ -295,10 +298,13 @@ def _validate(parser, args):
         parser.error("--topk-backend cupy needs --device cuda")
     if args.min_sparse_numel is not None and args.min_sparse_numel < 0:
         parser.error(f"--min-sparse-numel: must be >= 0, got {args.min_sparse_numel}")
-    if args.min_sparse_numel and args.allow_dense is False:
+    if args.min_sparse_numel and (args.allow_dense is False or (
+            args.allow_dense is None and args.hook in SPARSE_BASELINES)):
         # (the library refuses it too, but only once the process group is up)
-        parser.error("--min-sparse-numel sends small groups dense, which --no-allow-dense "
-                     "rules out; leave it out or pass 0")
+        ruled_out = ("--no-allow-dense" if args.allow_dense is False
+                     else f"--hook {args.hook} (every group sparse)")
+        parser.error(f"--min-sparse-numel sends small groups dense, which {ruled_out} "
+                     "rules out; leave it out, pass 0, or pass --allow-dense")
     if args.plan is not None and not os.path.isfile(args.plan):
         parser.error(f"--plan: no such file: {args.plan}")
     if args.plan is not None:
@@ -585,7 +591,9 @@ def hook_options(args):
     """Keyword options of ``omgs_hook.register`` for an omgs-based ``--hook``.
 
     Options the user left unset (``--allow-dense``, ``--min-sparse-numel``, ``--select``,
-    ``--plan``) are not passed, so the library's own defaults apply.
+    ``--plan``) are not passed, so the library's own defaults apply - except
+    ``allow_dense`` for ``--hook topk`` and ``lags``, which is False: TopK-SGD and LAGS-SGD
+    sparsify every group.
     """
     strategy = args.strategy if args.hook == "omgs" and args.strategy else HOOK_STRATEGIES[args.hook]
     options = dict(
@@ -595,6 +603,12 @@ def hook_options(args):
         refit_online=args.refit_online, log_every=args.hook_log_every)
     if args.allow_dense is not None:
         options["allow_dense"] = args.allow_dense
+    elif args.hook in SPARSE_BASELINES:
+        # TopK-SGD and LAGS-SGD never send a group dense: with the library's
+        # allow_dense=True a group went dense wherever that measured cheaper (on
+        # loopback `--hook lags` sent 5 of ResNet-20's 9 buckets dense, 606 kB a step
+        # instead of 22 kB)
+        options["allow_dense"] = False
     if args.min_sparse_numel is not None:
         options["min_sparse_numel"] = args.min_sparse_numel
     if args.select is not None:

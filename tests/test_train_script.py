@@ -219,6 +219,21 @@ def test_unset_hook_options_are_left_to_the_library(train_script):
         assert train_script.hook_options(args)["allow_dense"] is expected, argv
 
 
+def test_topk_and_lags_send_every_group_sparse_unless_asked(train_script, capsys):
+    """--hook topk / lags are TopK-SGD and LAGS-SGD: with the library's allow_dense=True
+    a group went dense wherever the model or the trial found that cheaper (on loopback
+    `--hook lags` sent 5 of ResNet-20's 9 buckets dense). --allow-dense still lets them."""
+    for hook in ("topk", "lags"):
+        options = train_script.hook_options(train_script.parse_args(["--hook", hook]))
+        assert options["allow_dense"] is False, hook
+        args = train_script.parse_args(["--hook", hook, "--allow-dense",
+                                        "--min-sparse-numel", "64"])
+        assert train_script.hook_options(args)["allow_dense"] is True
+        err = _refused(train_script.parse_args, ["--hook", hook, "--min-sparse-numel", "64"],
+                       capsys)
+        assert f"--hook {hook} (every group sparse)" in err and "--allow-dense" in err
+
+
 def test_select_and_plan_need_an_omgs_hook(train_script, tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text("{}")
