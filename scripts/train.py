@@ -35,7 +35,8 @@ line per entry of the hook's plan history, written at the step it appeared; a fi
 whose parser rejects ``--log``), and a final ``summary:`` line on stdout followed by the
 plan history. ``--checkpoint PATH`` writes the model, optimiser and step
 to PATH (rank 0) and every rank's hook state and RNG state to ``PATH.rank{r}``, replacing
-the previous set only once every rank's new files are written; ``--resume`` continues
+the previous set only once every rank's new files are written (a rank's previous file
+is kept as ``PATH.rank{r}.prev`` until ``PATH`` is replaced, last); ``--resume`` continues
 from them, and cuts the ``--log-file`` back to the checkpoint's step first (the records
 an interrupted run wrote after it, and its summary line, would otherwise appear twice).
 """
@@ -46,6 +47,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -714,6 +716,38 @@ def _replace_with(tmp, path):
         raise
 
 
+def previous_file(path):
+    """Where a save keeps the previous set's rank file until the new set is whole."""
+    return f"{path}.prev"
+
+
+def _remove_if_present(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _keep_previous(path):
+    """Keep ``path`` (the previous set's rank file, if any) as :func:`previous_file`:
+    a hard link, so nothing is copied (a copy where the file system has none)."""
+    if not os.path.isfile(path):
+        return
+    keep, tmp = previous_file(path), f"{previous_file(path)}.tmp"
+    try:
+        _remove_if_present(tmp)
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, keep)
+    except OSError:
+        # best effort: the ranks agreed to replace their files already, and one raising
+        # here would leave the others waiting at the barrier
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+
+
 def _ranks_that_failed(failed, rank, world_size, device):
     """Every rank learns which ranks report a failure (a collective: all ranks call it)."""
     flags = torch.zeros(world_size, dtype=torch.int32, device=device)
@@ -728,7 +762,8 @@ def save_checkpoint(args, rank, world_size, step, model, optimizer, hook):
     --resume needs the shared file and the rank files of the same step, so nothing is
     replaced until every rank has written its new files: a failed write on any rank
     leaves the previous set whole (and raises on every rank). The shared file, which the
-    rank files' step is checked against, is replaced last.
+    rank files' step is checked against, is replaced last; a rank's previous file is kept
+    (``PATH.rank{r}.prev``) until then, so a kill in between leaves a set to resume from.
     """
     files = []  # (contents, path) this rank writes
     if rank == 0:
@@ -761,12 +796,19 @@ def save_checkpoint(args, rank, world_size, step, model, optimizer, hook):
         why = error or f"failed on rank {', '.join(map(str, failed))}"
         raise TrainError(f"--checkpoint: the checkpoint of step {step} was not saved ({why}); "
                          f"{args.checkpoint} and its rank files are left as they were")
+    # the previous set's rank file stays, as PATH.rank{r}.prev, until the shared file says
+    # the new set is whole: a rank killed between this rank's replace and rank 0's
+    # replace of the shared file leaves rank files of this step beside a shared file of
+    # the last one, and --resume goes back to the kept ones (load_checkpoint)
+    own = rank_file(args.checkpoint, rank)
+    _keep_previous(own)
     _replace_with(*written[-1])
     dist.barrier()  # every rank file is of this step before the shared file says so
     if rank == 0:
         _replace_with(*written[0])
     # nobody continues (or exits) until the whole set of this step is in place
     dist.barrier()
+    _remove_if_present(previous_file(own))
 
 
 def _load(path):
@@ -802,6 +844,17 @@ def load_checkpoint(args, rank, world_size):
                         f"state is per rank")
     if problems:
         raise ResumeError(f"--resume: {shared_path} was written with " + "; ".join(problems))
+    kept = previous_file(own_path)
+    if own["step"] != shared["step"] and os.path.isfile(kept):
+        # a save was cut off between the rank files and the shared file (a rank killed
+        # there): the set the shared file names is whole with the kept rank file
+        previous = _load(kept)
+        if previous["step"] == shared["step"]:
+            own = previous
+            try:
+                os.replace(kept, own_path)  # the set is whole on disk again
+            except OSError:
+                pass  # (a read-only copy of the checkpoint: read from the kept file)
     if own["step"] != shared["step"]:
         raise ResumeError(f"--resume: {own_path} is from step {own['step']} but {shared_path} "
                           f"from step {shared['step']}: the checkpoint set is incomplete; "

@@ -12,10 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from ddp_harness import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train.py"
@@ -761,6 +763,64 @@ def test_a_save_failing_on_one_rank_keeps_the_previous_checkpoint_set(train_scri
         "c.pt", "c.pt.rank0", "c.pt.rank1", "c.pt.rank1.tmp"]  # (the blocking folder)
     assert "(rank 1): error: --checkpoint: the checkpoint of step 5 was not saved" in output
     assert "[rank1]: Traceback" not in output  # (torchrun's own traceback follows)
+
+
+class _KilledHere(BaseException):
+    """Stands for the process being killed (SIGKILL, preemption) at that point."""
+
+
+def interrupted_save_worker(rank, world_size, checkpoint):
+    """Save a checkpoint set of step 1, then one of step 2 during which rank 0 is 'killed'
+    right before it puts the shared file in place: every rank file is of step 2 by then,
+    the shared file still of step 1. Returns what each rank then resumes from."""
+    train_script = _load_script()
+    args = train_script.parse_args(["--hook", "allreduce", "--checkpoint", checkpoint,
+                                    "--resume-if-present"])
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_script.save_checkpoint(args, rank, world_size, 1, model, optimizer, None)
+    replace = train_script._replace_with
+
+    def killed_before_the_shared_file(tmp, path):
+        if path == checkpoint:
+            raise _KilledHere()
+        replace(tmp, path)
+
+    train_script._replace_with = killed_before_the_shared_file
+    try:
+        train_script.save_checkpoint(args, rank, world_size, 2, model, optimizer, None)
+    except _KilledHere:
+        pass  # rank 0: dies here (its process group goes with it)
+    except RuntimeError:
+        pass  # rank 1: the final barrier fails when rank 0 is gone
+    if rank == 1:
+        # the relaunch reads the files only once the dead rank is gone
+        time.sleep(0.5)
+    try:
+        shared, own = train_script.load_checkpoint(args, rank, world_size)
+    except train_script.TrainError as error:
+        return str(error)
+    return shared["step"], own["step"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_kill_between_the_rank_files_and_the_shared_file_keeps_a_set_to_resume(tmp_path):
+    """A save puts the rank files of the new step in place first and the shared file last
+    (its step says which set is whole). A rank killed between the two used to leave the
+    new rank files beside the old shared file: the previous set's rank files were gone,
+    and every relaunch stopped with "the checkpoint set is incomplete" - the whole run
+    lost. The previous rank file is kept until the new set is whole."""
+    checkpoint = str(tmp_path / "c.pt")
+    results = run_ranks("test_train_script", "interrupted_save_worker", world_size=2,
+                        timeout=50, pg_timeout_s=5, checkpoint=checkpoint)
+    assert results == [(1, 1), (1, 1)], results
+    # the set is whole again: a second resume reads step 1 without falling back
+    train_script = _load_script()
+    args = train_script.parse_args(["--hook", "allreduce", "--checkpoint", checkpoint])
+    for rank in (0, 1):
+        shared, own = train_script.load_checkpoint(args, rank=rank, world_size=2)
+        assert shared["step"] == own["step"] == 1
 
 
 def test_a_resumed_log_is_cut_back_to_the_checkpoint(train_script, tmp_path):
