@@ -5,6 +5,7 @@ gradients come from reference_omgs.reference_step, computed from every rank's lo
 gradient and residual gathered by the test itself.
 """
 
+import dataclasses
 import gc
 import os
 import re
@@ -282,12 +283,27 @@ MISMATCHED = {"density": ({"density": 0.01}, {"density": 0.02}),
               "measured_comm": ({"measured_comm": True}, {"measured_comm": False}),
               # rank 1 wraps the same network once more: the same shapes (DDP accepts
               # it), other names ("0.fc1.weight"), so plans and residuals would not match
-              "parameters": ({}, {"wrapped": True})}
+              "parameters": ({}, {"wrapped": True}),
+              # the same flat costs, other two-level link classes on rank 1 (another
+              # node's profile file): caught only at the first plan, as "ranks computed
+              # different plans", until the link classes joined the profile's digest
+              "profile": tuple({"topology": "hierarchical", "ranks_per_node": 2,
+                                "two_level_profile": inter} for inter in (3e-4, 3e-2))}
+
+
+def _two_level_profile(inter_alpha_s):
+    from omgs_hook.profile_file import LinearCost, default_profile
+
+    return dataclasses.replace(default_profile("cpu", 2), ranks_per_node=2,
+                               intra=LinearCost(2e-5, 1e-11),
+                               inter=LinearCost(inter_alpha_s, 8e-9))
 
 
 def mismatch_worker(rank, world_size, option="density"):
     options = dict(MISMATCHED[option][rank])
     model = torch.nn.Sequential(Net()) if options.pop("wrapped", False) else Net()
+    if "two_level_profile" in options:
+        options["profile"] = _two_level_profile(options.pop("two_level_profile"))
     ddp = DDP(model, bucket_cap_mb=0)
     omgs_hook.register(ddp, warmup_steps=0, **options)
     x, y = batch(0, rank)

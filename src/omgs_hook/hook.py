@@ -1213,7 +1213,11 @@ class OMGSState:
             "topology": self.topology.describe(),
             "nonfinite": self.nonfinite,
             "topk_backend": self._selector.name,
-            "profile": repr((prof.comm, prof.dense, prof.topk_for(self._selector.name))),
+            "profile": repr((prof.comm, prof.dense, prof.topk_for(self._selector.name))
+                            # the two link classes a two-level exchange plans with (a
+                            # difference there was caught at the first plan only, as
+                            # "ranks computed different plans", naming no cause)
+                            + ((prof.hierarchy(),) if self.topology.hierarchical else ())),
             "step": repr(self.step),
             "plan": repr(self.plan.checksum() if self.plan is not None else None),
             "select": self.select,
