@@ -640,11 +640,14 @@ class OMGSState:
             ``stats()["total"]["rewound_steps"]``, logged at WARNING the first time.
             ``"keep"``: the residual keeps it (error feedback of every backward pass).
             Needs ``module`` (the forward pre-hook); :func:`register` passes it. A
-            gradient kept for accumulation (not cleared) is never rewound. After
+            gradient kept for accumulation (not cleared) is never rewound. Where no
+            ``torch.optim`` optimizer holding these parameters has stepped yet, after
             ``UNAPPLIED_STREAK_LIMIT`` (3) rewound steps in a row the hook concludes that
             the optimizer updates parameters without bumping their version (``p.data``),
-            stops rewinding and warns. To drop such gradients without sending them at
-            all, run that backward under ``ddp_model.no_sync()``.
+            stops rewinding and warns (a ``torch.optim`` optimizer's steps are seen, so
+            with one a run of skipped updates is rewound however long). To drop such
+            gradients without sending them at all, run that backward under
+            ``ddp_model.no_sync()``.
         grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision run (default
             None). The hook sees the gradients multiplied by the loss scale, and so
             does the residual it keeps; when the scaler changes the scale (halved after
@@ -1041,7 +1044,12 @@ class OMGSState:
             self.memory.forget_last_commit()
             return
         self._unapplied_streak += 1
-        if self._unapplied_streak > UNAPPLIED_STREAK_LIMIT:
+        # The streak tells an optimizer that writes p.data (every step looks dropped) from
+        # dropped steps - only where the optimizer's steps are not seen otherwise: once a
+        # torch.optim optimizer over these parameters has stepped (its step post-hook), a
+        # run of steps without one is a run of skipped updates (a guard that skips the
+        # optimizer step on a loss spike), each rewound as plain DDP drops it
+        if self._unapplied_streak > UNAPPLIED_STREAK_LIMIT and self._optimizer_steps == 0:
             self.memory.forget_last_commit()
             self.on_unapplied = "keep"
             warnings.warn(
