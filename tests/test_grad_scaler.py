@@ -182,3 +182,63 @@ def test_a_rewind_after_resuming_without_the_scaler_is_in_unscaled_units():
         for key, expected in r["whole"].items():
             assert torch.equal(r["resumed"][key], expected), (
                 key, float(r["resumed"][key].abs().max() / expected.abs().max()))
+
+
+def no_sync_gan_worker(rank, world_size, through_ddp):
+    """A GAN under AMP with the documented way to keep the generator step's gradient out
+    of the discriminator's hook: that backward under ``ddp.no_sync()``
+    (``through_ddp``), against the same loop whose generator loss goes through a plain
+    copy of the discriminator (the hook never sees it). One scaler, doubling its scale
+    every step (``growth_interval=1``), updated after each of the two optimizer steps."""
+    torch.manual_seed(0)
+    disc = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ddp = DDP(disc, bucket_cap_mb=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    state = omgs_hook.register(ddp, density=0.1, strategy="single", select="model",
+                               allow_dense=False, warmup_steps=0, log_every=0,
+                               grad_scaler=scaler)
+    opt = torch.optim.SGD(disc.parameters(), lr=0.05, momentum=0.9)
+    gen = nn.Linear(8, 8)
+    gen_opt = torch.optim.SGD(gen.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank + 1)
+    for _ in range(8):
+        opt.zero_grad()
+        scaler.scale(ddp(torch.randn(6, 8, generator=g)).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        gen_opt.zero_grad()
+        fake = gen(torch.randn(6, 8, generator=g))
+        if through_ddp:
+            with ddp.no_sync():
+                scaler.scale((ddp(fake) - 1).pow(2).mean()).backward()
+        else:
+            copy = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+            copy.load_state_dict(disc.state_dict())
+            copy.requires_grad_(False)
+            scaler.scale((copy(fake) - 1).pow(2).mean()).backward()
+        scaler.step(gen_opt)
+        scaler.update()
+    saved = state.state_dict()
+    state.close()
+    return {"params": [p.detach().clone() for p in disc.parameters()],
+            "residuals": saved["residuals"], "scale": saved["residual_scale"]}
+
+
+@pytest.mark.timeout(120)
+def test_a_forward_under_no_sync_does_not_leave_its_loss_scale_to_the_next_step():
+    """The hook reads the loss scale at a step's first forward and takes it at bucket 0.
+    A forward whose backward ran under no_sync() never reached bucket 0, so its reading
+    stayed: the next step took it although scaler.update() had doubled the scale since,
+    and its residuals were kept at half their units (2 ranks, 8 iterations: residuals
+    0.09 apart, of norm 0.25; parameters 0.011 apart). The reading is refreshed when the
+    scaler's scale moved."""
+    synced = run_ranks("test_grad_scaler", "no_sync_gan_worker", world_size=2, timeout=100,
+                       through_ddp=True)
+    apart = run_ranks("test_grad_scaler", "no_sync_gan_worker", world_size=2, timeout=100,
+                      through_ddp=False)
+    for a, b in zip(synced, apart):
+        assert a["scale"] == b["scale"]
+        assert set(a["residuals"]) == set(b["residuals"])
+        for key in a["residuals"]:
+            assert torch.equal(a["residuals"][key], b["residuals"][key]), key
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))

@@ -654,7 +654,8 @@ class OMGSState:
             an overflow, doubled after ``growth_interval`` good steps) a residual kept
             at the old scale would be applied at twice or half its value. With the
             scaler given, the hook reads its scale at the first forward of each step
-            (``get_scale()``: on CUDA one small synchronisation per step) and rescales
+            (``get_scale()``: on CUDA one small synchronisation per step; read again
+            where ``update()`` has written the scale since) and rescales
             the stored residuals when it moved; ``local_clip_norm`` then applies to the
             unscaled gradient. ``state_dict()`` records the scale its residuals are at
             (``"residual_scale"``), so a resumed run converts them too.
@@ -702,6 +703,7 @@ class OMGSState:
         # under a scaler); the scale read at this step's first forward, for bucket 0
         self._residual_scale = None
         self._forward_scale = None
+        self._forward_scale_version = None  # _scale_version() when it was read
         try:
             self.strategy = planner_mod.parse_strategy(strategy)
         except (ValueError, TypeError) as exc:
@@ -984,10 +986,29 @@ class OMGSState:
         if torch.is_grad_enabled():
             self._check_applied()
             self.meter.forward_started()
-            if self.grad_scaler is not None and self._forward_scale is None:
+            if self.grad_scaler is not None and (
+                    self._forward_scale is None
+                    or self._forward_scale_version != self._scale_version()):
                 # read here, not at bucket 0: on CUDA get_scale() synchronises, and here
-                # it waits for the optimizer step only, not for backward's kernels
+                # it waits for the optimizer step only, not for backward's kernels. Read
+                # again when the scale moved since: a forward whose backward never
+                # reached bucket 0 (under no_sync(), a GAN's generator step) left its
+                # reading, and the next step took it after scaler.update() had changed
+                # the scale
+                self._forward_scale_version = self._scale_version()
                 self._forward_scale = float(self.grad_scaler.get_scale())
+
+    def _scale_version(self):
+        """A token that changes whenever the GradScaler's scale may have: its scale
+        tensor and that tensor's version (``update()`` writes it in place), read without
+        synchronising; a fresh object (never equal) for a scaler without one."""
+        scale = getattr(self.grad_scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            return (id(scale), scale._version)
+        if scale is None and hasattr(self.grad_scaler, "_init_scale"):
+            # (a GradScaler before its first scale() call: get_scale() is _init_scale)
+            return ("init", getattr(self.grad_scaler, "_init_scale", None))
+        return object()
 
     def _touched_since(self, params, versions, optimizer_steps):
         """Whether an optimizer step has run over the module's parameters since
@@ -1614,7 +1635,8 @@ class OMGSState:
         the same scale (GradScaler reduces its inf checks over the ranks' gradients,
         which DDP made identical), so every rank rescales alike."""
         scale, self._forward_scale = self._forward_scale, None
-        if scale is None:
+        if scale is None or self._forward_scale_version != self._scale_version():
+            # (no forward, or the scale moved since it was read: read it now)
             scale = float(self.grad_scaler.get_scale())
         if not math.isfinite(scale) or scale <= 0:
             raise RuntimeError(f"omgs_hook: the GradScaler's scale is {scale}")
