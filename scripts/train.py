@@ -978,7 +978,15 @@ class PlanHistory:
         if "plan_history" in stats and stats["plan_history"] is not None:
             self.from_hook = True
             history = list(stats["plan_history"])
-            new = history[len(self.entries):]
+            # the entries after the last one logged: found by content, not by count - the
+            # hook keeps its newest PLAN_HISTORY_LIMIT entries only, so once that many are
+            # there the count stays and a count found no new entry ever again
+            start = 0
+            if self.entries:
+                last = self.entries[-1]
+                start = next((i + 1 for i in range(len(history) - 1, -1, -1)
+                              if history[i] == last), 0)
+            new = history[start:]
             self.entries = history
             return new
         self.from_hook = False

@@ -313,6 +313,33 @@ def test_plan_history_reports_every_plan_once(train_script, with_history):
     assert train_script.PlanHistory(None).poll(1) == []
 
 
+def test_plans_are_logged_after_the_hooks_history_is_full(train_script):
+    """The hook keeps its newest PLAN_HISTORY_LIMIT (1000) plan-history entries. New
+    entries were found by count (those past the number logged so far): once the history
+    was full, its length stayed at the limit and every later plan was never logged
+    (the JSON log's plan events stopped for the rest of the run)."""
+    limit = 3  # the library's 1000, as a fake hook keeping its newest 3
+
+    class CappedHook(_FakeHook):
+        def use(self, step, groups):
+            super().use(step, groups)
+            del self.history[:-limit]
+
+    hook = CappedHook(with_history=True)
+    history = train_script.PlanHistory(hook)
+    logged = []
+    for step in range(1, 9):
+        hook.use(step, [[0], [1]] if step % 2 else [[0, 1]])
+        logged += [e["step"] for e in history.poll(step)]
+    assert logged == list(range(1, 9))
+    assert [e["step"] for e in history.entries] == [6, 7, 8]  # the hook's newest
+    # resumed from a checkpoint whose (full) history ends at step 8: only later plans
+    history = train_script.PlanHistory(hook)
+    history.resumed({"plan_history": list(hook.history)})
+    hook.use(9, [[0], [1]])
+    assert [e["step"] for e in history.poll(9)] == [9]
+
+
 # --------------------------------------------------------------------- torchrun launches
 
 
