@@ -235,6 +235,34 @@ class _MarkUsed:
         self._used.add(self._key)
 
 
+class _Reached:
+    """A forward output's autograd pre-hook: marks the meter's entry of that forward
+    (:meth:`BackwardMeter.current_forward`) as reached by a backward."""
+
+    def __init__(self, entry):
+        self._entry = entry
+
+    def __call__(self, grad_outputs):
+        self._entry[2] = True
+
+
+def _output_nodes(output, limit=8, visits=64):
+    """The autograd nodes of up to ``limit`` tensors in a forward's output (a tensor, or
+    tensors in nested tuples, lists and dicts; at most ``visits`` items looked at)."""
+    nodes, stack = [], [output]
+    while stack and len(nodes) < limit and visits > 0:
+        visits -= 1
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.grad_fn is not None:
+                nodes.append(item.grad_fn)
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return nodes
+
+
 class _ModuleHook(_WeakCallback):
     """A hook the state puts on the user's module (and the optimizer step hook). It
     holds the state weakly, and a deep copy or a pickle of it is a no-op: a copy of the
@@ -1098,6 +1126,15 @@ class OMGSState:
         if torch.is_grad_enabled():
             self.meter.forward_finished()
             self._forward_end_wall = time.perf_counter()
+            entry = self.meter.current_forward()
+            if entry is not None:
+                # marked when a backward reaches this output: a forward no backward
+                # reaches (a metric computed with autograd on) is no part of the step
+                for node in _output_nodes(output):
+                    try:
+                        node.register_prehook(_Reached(entry))
+                    except RuntimeError:
+                        pass
 
     @property
     def world_size(self):
@@ -1502,6 +1539,8 @@ class OMGSState:
         return True
 
     def _begin_step(self, bucket):
+        # the step's own forward, before the load probe below reads it
+        self.meter.reanchor_forward()
         # (before the step's clock: the re-plan belongs to the step that started it, as
         # the trial's and the model's step times always counted it)
         self._finish_replan()

@@ -87,6 +87,12 @@ class BackwardMeter:
         self._fwd_start = None
         self._fwd_end = None
         self._forward_open = False  # a forward of the coming step was seen (forward_started)
+        # host clock: the forwards with autograd since the step's first one, each
+        # [wall, mark, reached by a backward], and what the first one replaced (the
+        # previous iteration's start, the previous step's end, whether it appended an
+        # iteration and a tail): see reanchor_forward. None on CUDA
+        self._forwards = None
+        self._open_context = None
         self._arrive = []
         self._send_start = []
         self._send_end = []
@@ -138,9 +144,12 @@ class BackwardMeter:
         next step's first forward is the first one after this step's backward began
         (bucket 0) or its exchange finished."""
         if self._forward_open:
+            if self._forwards is not None:
+                self._forwards.append([time.perf_counter(), self.clock.mark(), False])
             return
         self._forward_open = True
         wall = time.perf_counter()
+        previous_start, finish = self._last_fwd_start_wall, self._finish_wall
         if self._last_fwd_start_wall is not None:
             self.last_iteration_s = wall - self._last_fwd_start_wall
             self._iterations.append((self._last_step, self.last_iteration_s))
@@ -154,6 +163,43 @@ class BackwardMeter:
         self._last_fwd_start_wall = wall
         self._fwd_start = self.clock.mark()
         self._fwd_end = None
+        if isinstance(self.clock, CpuClock):
+            self._forwards = [[wall, self._fwd_start, False]]
+            self._open_context = (previous_start, finish, previous_start is not None,
+                                  self._step_tail is not None)
+        else:
+            self._forwards = None
+
+    def current_forward(self):
+        """The entry of the forward now running (host clock; None otherwise): the hook
+        sets its third item when a backward reaches the forward's output."""
+        return self._forwards[-1] if self._forward_open and self._forwards else None
+
+    def reanchor_forward(self):
+        """At the step's bucket 0, before anything reads its forward: when the step's
+        first forwards with autograd were never reached by a backward (an evaluation or
+        a metric computed without ``torch.no_grad()``) and a later one was, the step
+        starts at that later forward. The forwards before it count as the gap between
+        the steps, as an evaluation under ``no_grad`` does (:meth:`tail_excess_s`):
+        neither the step's time nor its forward (the load probe) holds them. A step
+        whose forwards were all reached (a siamese loss, ``no_sync`` micro-batches), or
+        none was, keeps its first forward as its start. Host clock only."""
+        forwards, self._forwards = self._forwards, None
+        if not forwards or forwards[0][2]:
+            return
+        first = next((f for f in forwards if f[2]), None)
+        if first is None:
+            return
+        wall, mark, _ = first
+        previous_start, finish, had_iteration, had_tail = self._open_context
+        if had_iteration and self._iterations:
+            self.last_iteration_s = wall - previous_start
+            self._iterations[-1] = (self._iterations[-1][0], self.last_iteration_s)
+        if had_tail and self._tail:
+            self._step_tail = max(0.0, wall - finish)
+            self._tail[-1] = self._step_tail
+        self._last_fwd_start_wall = wall
+        self._fwd_start = mark
 
     def forward_finished(self):
         self._fwd_end = self.clock.mark()
@@ -248,6 +294,7 @@ class BackwardMeter:
         self._pending = None
         self._last_step = None
         self.prefer_from_step = None
+        self._forwards = None
 
     def prefer_from(self, step):
         """Estimate from the steps numbered ``step`` and later once there are at least
