@@ -2928,10 +2928,12 @@ class OMGSState:
                 span = f"bucket {units[0]}" if len(units) == 1 else f"buckets {units[0]}-{units[-1]}"
                 text = f"  group {g}: {span}, {numel:,} elements, {'dense' if plan.dense[g] else 'sparse'}"
                 if costs is not None:
-                    sparse_s = costs.topk_time(numel) + costs.sparse_comm_time(numel)
+                    # (priced as the planner prices it: an empty bucket as one element)
+                    priced = max(1, numel)
+                    sparse_s = costs.topk_time(priced) + costs.sparse_comm_time(priced)
                     text += f"; model: sparse {sparse_s * 1e3:.2f} ms (top-k + all-gather)"
                     if costs.dense is not None:
-                        text += f", dense {costs.dense_comm_time(numel) * 1e3:.2f} ms (all-reduce)"
+                        text += f", dense {costs.dense_comm_time(priced) * 1e3:.2f} ms (all-reduce)"
                     else:
                         text += ", dense not allowed"
                 if plan.dense[g] and numel < self.min_sparse_numel:
