@@ -675,7 +675,13 @@ class OMGSState:
             stops rewinding and warns (a ``torch.optim`` optimizer's steps are seen, so
             with one a run of skipped updates is rewound however long). To drop such
             gradients without sending them at all, run that backward under
-            ``ddp_model.no_sync()``.
+            ``ddp_model.no_sync()``. When an optimizer step touched some of the step's
+            parameters but not others (one DDP model holding a generator and its
+            discriminator, an optimizer each), the residual update of each parameter no
+            optimizer step touched and whose gradient was cleared (and that this rank
+            did not park as unused) is undone, the others' kept:
+            ``stats()["total"]["partly_rewound_steps"]`` (flat exchange only; the
+            two-level exchange's shard residuals mix parameters, and such a step is kept).
         grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision run (default
             None). The hook sees the gradients multiplied by the loss scale, and so
             does the residual it keeps; when the scaler changes the scale (halved after
@@ -767,6 +773,7 @@ class OMGSState:
         self._applied_check = None
         self._unapplied_streak = 0
         self._rewind_warned = False
+        self._partial_rewind_warned = False
         self.allow_dense = _check_bool("allow_dense", allow_dense)
         self.min_sparse_numel = _check_min_sparse_numel(min_sparse_numel, self.allow_dense)
         self.refit_online = _check_bool("refit_online", refit_online)
@@ -929,7 +936,8 @@ class OMGSState:
                         "selected": 0, "nonfinite_steps": 0, "replans": 0, "trials": 0,
                         "warmup_steps": 0, "warmup_elements": 0, "warmup_bytes": 0,
                         "sparse_group_elements": 0, "sparse_group_selected": 0,
-                        "inter_node_bytes": 0, "intra_node_bytes": 0, "rewound_steps": 0}
+                        "inter_node_bytes": 0, "intra_node_bytes": 0, "rewound_steps": 0,
+                        "partly_rewound_steps": 0}
         self._hooks = []
         # keys whose gradient this rank computed since the last synchronised step, where
         # track_local_use() installed the hooks that note them; None: not tracked
@@ -949,6 +957,9 @@ class OMGSState:
         # optimizer steps seen over the module's parameters (_on_optimizer_step)
         self._optimizer_steps = 0
         self._optimizers_seen = weakref.WeakKeyDictionary()
+        # optimizer -> the value of _optimizer_steps its last step set (its held
+        # parameters are untouched by it since any count at or above that)
+        self._optimizer_last_step = weakref.WeakKeyDictionary()
         self._param_ids = frozenset()
         if module is not None:
             self._param_ids = frozenset(id(p) for p in module.parameters() if p.requires_grad)
@@ -1038,14 +1049,6 @@ class OMGSState:
             return ("init", getattr(self.grad_scaler, "_init_scale", None))
         return object()
 
-    def _touched_since(self, params, versions, optimizer_steps):
-        """Whether an optimizer step has run over the module's parameters since
-        ``versions`` and ``optimizer_steps`` were read: a parameter's version moved (an
-        in-place update autograd sees), or a ``torch.optim`` optimizer holding some of
-        them stepped (fused optimizers update in place without moving any version)."""
-        return (self._optimizer_steps != optimizer_steps
-                or any(p._version != v for p, v in zip(params, versions)))
-
     def _on_module_load(self, module, incompatible_keys):
         """The module's weights were loaded (``load_state_dict``, of it or of the DDP
         model) after this state loaded a checkpoint taken before its last step's
@@ -1054,9 +1057,9 @@ class OMGSState:
         must rewind as one that loads it before."""
         check = self._applied_check
         if check is not None and check[2] is not None:
-            params, _, loaded, optimizer_steps = check
+            params, _, loaded, optimizer_steps, candidates = check
             self._applied_check = (params, [p._version for p in params], loaded,
-                                   optimizer_steps)
+                                   optimizer_steps, candidates)
 
     def _on_optimizer_step(self, optimizer, args, kwargs):
         """Any ``torch.optim`` optimizer's step (a global post-hook): count it when it
@@ -1065,10 +1068,27 @@ class OMGSState:
         signature = (len(groups), sum(len(group["params"]) for group in groups))
         known = self._optimizers_seen.get(optimizer)
         if known is None or known[0] != signature:
-            holds = any(id(p) in self._param_ids for group in groups for p in group["params"])
-            known = self._optimizers_seen[optimizer] = (signature, holds)
+            held = frozenset(id(p) for group in groups for p in group["params"]
+                             if id(p) in self._param_ids)
+            known = self._optimizers_seen[optimizer] = (signature, held)
         if known[1]:
             self._optimizer_steps += 1
+            self._optimizer_last_step[optimizer] = self._optimizer_steps
+
+    def _untouched(self, params, versions, optimizer_steps):
+        """The parameters of ``params`` that no optimizer step has touched since
+        ``versions`` and ``optimizer_steps`` were read: same version, and held by no
+        ``torch.optim`` optimizer that stepped since (fused ones move no version)."""
+        stepped = None
+        if self._optimizer_steps != optimizer_steps:
+            held = [known[1] for optimizer, last in list(self._optimizer_last_step.items())
+                    if last > optimizer_steps
+                    and (known := self._optimizers_seen.get(optimizer)) is not None]
+            if any(ids >= self._param_ids for ids in held):
+                return []  # (an optimizer over the whole model stepped: the usual case)
+            stepped = frozenset().union(*held)
+        return [p for p, v in zip(params, versions)
+                if p._version == v and (stepped is None or id(p) not in stepped)]
 
     def _check_applied(self):
         """At the first forward with autograd after a step: was that step's gradient
@@ -1080,17 +1100,18 @@ class OMGSState:
         check, self._applied_check = self._applied_check, None
         if check is None:
             return
-        params, versions, loaded, optimizer_steps = check
+        params, versions, loaded, optimizer_steps, candidates = check
         exchange = self._exchange
         if loaded is None and (exchange is None or not exchange.finished
                                or exchange.error is not None):
             return
         if loaded is None and exchange.nonfinite:
             return  # dropped already (an AMP step the scaler skips): no evidence either way
-        if self._touched_since(params, versions, optimizer_steps) or any(
-                p.grad is not None and bool(p.grad.any()) for p in params):
+        untouched = self._untouched(params, versions, optimizer_steps)
+        if (len(untouched) < len(params) or candidates is not None or any(
+                p.grad is not None and bool(p.grad.any()) for p in params)):
             self._unapplied_streak = 0
-            self.memory.forget_last_commit()
+            self._rewind_part(untouched, loaded, candidates)
             return
         self._unapplied_streak += 1
         # The streak tells an optimizer that writes p.data (every step looks dropped) from
@@ -1121,6 +1142,47 @@ class OMGSState:
                    "optimizer step (as a GAN's generator step leaves the discriminator's): "
                    "its residual update is rewound, as plain DDP drops that gradient "
                    "(on_unapplied='rewind'; 'keep' keeps it)", self.step)
+
+    def _rewind_part(self, untouched, loaded, candidates):
+        """The step was applied to some of its parameters only (one DDP model holding a
+        GAN's generator and discriminator: the generator's step leaves the
+        discriminator's gradient computed, cleared and never applied, as plain DDP drops
+        it): the residual update of each parameter that no optimizer step touched and
+        whose gradient was cleared - and that this rank did not park - is undone,
+        the others' kept. ``candidates``: the keys a checkpoint taken before this
+        decision allowed (None: every key). The two-level exchange's shard residuals
+        mix parameters: there the step is kept whole, as before."""
+        exchange = self._exchange
+        parked = exchange.parked if loaded is None and exchange is not None else ()
+        keys = []
+        for p in untouched:
+            key = self._names.get(id(p))
+            if key is None or key in parked or (candidates is not None and key not in candidates):
+                continue
+            if p.grad is None or not bool(p.grad.any()):
+                keys.append(key)
+        if not keys:
+            self.memory.forget_last_commit()
+            return
+        if loaded is not None:  # resumed from a checkpoint taken before this decision
+            residuals = self.memory.state_dict()
+            for key in keys:
+                if key in loaded:
+                    residuals[key] = loaded[key]
+                else:
+                    residuals.pop(key, None)
+            self.memory.load_state_dict(residuals, self._shapes)
+        elif not self.memory.rewind_keys(keys):
+            self.memory.forget_last_commit()
+            return
+        self._totals["partly_rewound_steps"] += 1
+        level = logging.INFO if self._partial_rewind_warned else logging.WARNING
+        self._partial_rewind_warned = True
+        logger.log(level, "omgs_hook: the gradient of step %d was cleared without an "
+                   "optimizer step for %d of its parameters (e.g. %s; a discriminator in "
+                   "the same DDP model as its generator): their residual update is "
+                   "rewound, as plain DDP drops those gradients (on_unapplied='rewind')",
+                   self.step, len(keys), keys[0])
 
     def _on_forward(self, module, args, output):
         if torch.is_grad_enabled():
@@ -1494,7 +1556,7 @@ class OMGSState:
         # that reads it exists, i.e. the module is known)
         if params and self._hooks:
             self._applied_check = (params, [p._version for p in params], None,
-                                   self._optimizer_steps)
+                                   self._optimizer_steps, None)
 
     def _residuals_before_last_step(self):
         """For a checkpoint taken after a step whose gradient no optimizer step has
@@ -1504,11 +1566,31 @@ class OMGSState:
         check = self._applied_check
         if check is None or self.on_unapplied != "rewind":
             return None
-        params, versions, loaded, optimizer_steps = check
-        if self._touched_since(params, versions, optimizer_steps):
+        params, versions, loaded, optimizer_steps, candidates = check
+        if not self._untouched(params, versions, optimizer_steps):
             return None
         # (loaded: saved again before the decision of the checkpoint it was resumed from)
         return loaded if loaded is not None else self.memory.undo_state_dict()
+
+    def _unapplied_candidates(self):
+        """With :meth:`_residuals_before_last_step`: the keys a resumed run may still
+        rewind (untouched by any optimizer step so far, not parked), or None when that
+        is every parameter of the step (and for a checkpoint without those residuals)."""
+        check = self._applied_check
+        if check is None or self.on_unapplied != "rewind":
+            return None
+        params, versions, loaded, optimizer_steps, candidates = check
+        untouched = self._untouched(params, versions, optimizer_steps)
+        if not untouched:
+            return None
+        exchange = self._exchange
+        parked = exchange.parked if loaded is None and exchange is not None else ()
+        keys = sorted(k for k in (self._names.get(id(p)) for p in untouched)
+                      if k is not None and k not in parked
+                      and (candidates is None or k in candidates))
+        if len(untouched) == len(params) and candidates is None and not parked:
+            return None
+        return keys
 
     def _raise_after_ddp(self):
         """With ``nonfinite="raise"``: queue, on the autograd engine, a check that raises
@@ -2763,7 +2845,8 @@ class OMGSState:
         ``topk_s`` and in the hook body ``hook_s``), ``"total"``
         (the same summed, plus re-plans, finished trials and ``"rewound_steps"``, the
         steps whose residual update was undone because their gradient was cleared
-        without an optimizer step, see ``on_unapplied``; ``"density"`` is the
+        without an optimizer step, see ``on_unapplied``, and ``"partly_rewound_steps"``,
+        those undone for some of their parameters only; ``"density"`` is the
         achieved density of the steps *after* the dense warm-up - dense groups the plan
         chose count with all their elements - ``"sparse_group_density"`` that of the
         sparse groups alone, ``"density_all_steps"`` the old figure with the warm-up
@@ -3037,7 +3120,9 @@ class OMGSState:
         ``paramN`` without a module) to its residual, shaped like the parameter. Each
         rank saves its own. ``"residuals_before_last_step"`` (or None) holds them as
         they were before the last step while that step's gradient is neither applied
-        nor known to be dropped (``on_unapplied``), so that a resumed run can rewind it.
+        nor known to be dropped (``on_unapplied``), so that a resumed run can rewind it;
+        ``"unapplied_candidates"`` then lists the parameters a resumed run may still
+        rewind when an optimizer step has already touched the others (None: all).
         """
         # the re-plan the last step started, whose job (``plan_job``) a resumed run must
         # go on with, as this one does at its next bucket 0
@@ -3065,6 +3150,7 @@ class OMGSState:
             "min_sparse_numel": self.min_sparse_numel,
             "residuals": self.memory.state_dict(),
             "residuals_before_last_step": self._residuals_before_last_step(),
+            "unapplied_candidates": self._unapplied_candidates(),
             # the loss scale the residuals are at (grad_scaler; None: unscaled)
             "residual_scale": self._residual_scale,
             "topology": self._saved_topology(),
@@ -3250,8 +3336,10 @@ class OMGSState:
                 # brought to unscaled units: a rewind to them must be in those units too
                 for tensor in before.values():
                     tensor.mul_(1.0 / float(saved_scale))
+            candidates = sd.get("unapplied_candidates")
             self._applied_check = (params, [p._version for p in params], before,
-                                   self._optimizer_steps)
+                                   self._optimizer_steps,
+                                   None if candidates is None else frozenset(candidates))
         self.meter.load_state_dict(sd.get("measurements") or {})
         self.overhead.load_state_dict(sd.get("group_overhead") or {})
         self.writeback.load_state_dict(sd.get("writeback") or {})

@@ -623,6 +623,27 @@ class ResidualMemory:
             self._dense = dense
             return True
 
+    def rewind_keys(self, keys):
+        """Undo the last :meth:`commit_staged` for ``keys`` only: each gets the residual
+        it had before that step (a copy: the buffer half it was in is the next step's to
+        write), the others keep the step's. Returns False, changing nothing, when there
+        is nothing to undo or the step swapped two-level shard or dense-shard buffers
+        (their residuals mix parameters). Either way the last commit is final after."""
+        with self._lock:
+            undo, self._undo = self._undo, None
+            if undo is None:
+                return False
+            residuals, groups_swapped, shards_swapped, groups, dense = undo
+            if shards_swapped or self._dense:
+                return False
+            for key in keys:
+                old = residuals.get(key)
+                if old is None:
+                    self._residuals.pop(key, None)
+                else:
+                    self._residuals[key] = old.clone()
+            return True
+
     def undo_state_dict(self):
         """:meth:`state_dict` as it would be after :meth:`rewind_last_commit`, leaving
         everything as it is (the rewind stays possible); None with nothing to undo."""
