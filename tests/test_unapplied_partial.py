@@ -163,3 +163,55 @@ def test_a_checkpoint_after_the_generator_step_resumes_bit_exactly(tmp_path):
         # only the discriminator's residuals may be rewound on resume
         assert r["candidates"] and all(k.startswith("disc.") for k in r["candidates"])
         assert torch.equal(r["straight"], r["resumed"])
+
+
+class Opposed(nn.Module):
+    """``a``'s gradient is large, so the top-k sends ``a``'s entries; ``b``'s is +g on
+    rank 0 and -g on rank 1: its averaged gradient is exactly zero, while each rank's
+    residual of ``b`` grows by its own g."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 1)
+        self.b = nn.Parameter(torch.zeros(64))
+
+    def forward(self, x, sign):
+        return 1e3 * self.a(x).mean() + sign * (self.b * torch.arange(64.0)).sum()
+
+
+def accumulation_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = Opposed()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, **SPARSE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sign = 1.0 if rank == 0 else -1.0
+    # the same batch on both ranks: the same entries of b selected, in opposite signs
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):  # ordinary steps (DDP's first iterations, a plan)
+        ddp(x, sign).backward()
+        opt.step()
+        opt.zero_grad()
+    ddp(x, sign).backward()  # a micro-batch of an accumulation: no step, no zero_grad
+    after_step = _residuals(state, "b")["b"]
+    b_grad_zero = not bool(model.b.grad.any())
+    ddp(x, sign)  # the next micro-batch's forward decides on the step before
+    kept = _residuals(state, "b")["b"]
+    partly = state.stats()["total"]["partly_rewound_steps"]
+    state.close()
+    return {"after_step": after_step, "kept": kept, "b_grad_zero": b_grad_zero,
+            "partly": partly}
+
+
+@pytest.mark.timeout(120)
+def test_accumulation_keeps_a_residual_whose_averaged_gradient_is_zero():
+    """No optimizer step and gradients kept: an accumulation micro-batch, whose residual
+    update stays whole - also for a parameter whose averaged gradient came out zero. The
+    first version of the per-parameter rewind read a zero gradient as a cleared one and
+    rewound that parameter: its residual lost the micro-batch's g."""
+    for r in run_ranks("test_unapplied_partial", "accumulation_worker", world_size=2,
+                       timeout=100):
+        assert r["b_grad_zero"]  # the set-up: the averaged gradient of b is exactly 0
+        assert r["after_step"].abs().sum() > 0
+        assert torch.equal(r["kept"], r["after_step"])
+        assert r["partly"] == 0

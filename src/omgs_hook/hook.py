@@ -1108,10 +1108,15 @@ class OMGSState:
         if loaded is None and exchange.nonfinite:
             return  # dropped already (an AMP step the scaler skips): no evidence either way
         untouched = self._untouched(params, versions, optimizer_steps)
-        if (len(untouched) < len(params) or candidates is not None or any(
-                p.grad is not None and bool(p.grad.any()) for p in params)):
+        if len(untouched) < len(params) or candidates is not None:
             self._unapplied_streak = 0
             self._rewind_part(untouched, loaded, candidates)
+            return
+        if any(p.grad is not None and bool(p.grad.any()) for p in params):
+            # no optimizer step, gradients kept: accumulation, every update stays (a
+            # parameter whose accumulated gradient is zero was not cleared either)
+            self._unapplied_streak = 0
+            self.memory.forget_last_commit()
             return
         self._unapplied_streak += 1
         # The streak tells an optimizer that writes p.data (every step looks dropped) from
