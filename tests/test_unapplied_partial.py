@@ -215,3 +215,64 @@ def test_accumulation_keeps_a_residual_whose_averaged_gradient_is_zero():
         assert r["after_step"].abs().sum() > 0
         assert torch.equal(r["kept"], r["after_step"])
         assert r["partly"] == 0
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.br = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 1)
+
+    def forward(self, x, use_branch):
+        h = torch.tanh(self.a(x))
+        if use_branch:
+            h = torch.tanh(self.br(h))
+        return self.c(h)
+
+
+def stale_branch_worker(rank, world_size, branch_in_second, view=False):
+    """Accumulation over two synchronised micro-batches (no ``no_sync()``): the branch
+    runs in the first; in the second on the ranks ``branch_in_second`` names."""
+    torch.manual_seed(0)
+    model = Branchy()
+    ddp = DDP(model, bucket_cap_mb=0, find_unused_parameters=True,
+              gradient_as_bucket_view=view)
+    state = omgs_hook.register(ddp, **SPARSE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    records = []
+    for _ in range(4):
+        opt.zero_grad()
+        for micro in range(2):
+            use = micro == 0 or rank in branch_in_second
+            ddp(torch.randn(4, 8, generator=gen), use).sum().backward()
+            records.append(_residuals(state, "br."))
+        opt.step()
+    total = state.stats()["total"]
+    state.close()
+    # the branch's residuals after each step's first and second micro-batch
+    return {"first": records[0::2], "second": records[1::2],
+            "restored": total.get("unused_restored", 0)}
+
+
+@pytest.mark.timeout(120)
+def test_a_branch_no_rank_used_in_a_later_micro_batch_keeps_its_residual():
+    """DDP (find_unused_parameters) hands a parameter no rank used in this backward over
+    with the .grad an earlier micro-batch's step wrote back, and drops the result. The
+    hook added that gradient to the residual a second time and lost what it sent of it
+    (the branch's residual moved by up to the size of its gradient each such step). Now
+    the update is undone: the residual is the one after the first micro-batch, bit for
+    bit. Where one rank used the branch, DDP applies the result and the update stands."""
+    for r in run_ranks("test_unapplied_partial", "stale_branch_worker", world_size=2,
+                       timeout=100, branch_in_second=()):
+        assert all(_equal(a, b) for a, b in zip(r["first"][1:], r["second"][1:]))
+        assert r["restored"] >= 2 * 3  # 2 tensors, at least 3 of the 4 steps
+    for r in run_ranks("test_unapplied_partial", "stale_branch_worker", world_size=2,
+                       timeout=100, branch_in_second=(0,)):
+        assert r["restored"] == 0
+        assert not all(_equal(a, b) for a, b in zip(r["first"][1:], r["second"][1:]))
+    # with gradient_as_bucket_view the result lands in .grad itself: applied, kept
+    for r in run_ranks("test_unapplied_partial", "stale_branch_worker", world_size=2,
+                       timeout=100, branch_in_second=(), view=True):
+        assert r["restored"] == 0

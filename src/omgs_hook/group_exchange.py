@@ -120,6 +120,7 @@ class StepExchange:
         # whatever the hook writes for them, so their residual must neither be sent nor
         # reset: it is parked.
         self.parked = set()
+        self.stale = set()  # keys sent with a gradient no backward of this step computed
         self.records = []
         self.nonfinite = False
         self.error = None
@@ -188,6 +189,13 @@ class StepExchange:
                 # .grad is a stale one DDP hands over again every step (and drops the
                 # result of); sent, it was added to the residual each step and spent
                 self.parked.add(key)
+            elif used is not None and key not in used:
+                # not computed since the last synchronised step, yet a .grad that holds
+                # something: the gradient an earlier synchronised step of an accumulation
+                # wrote back. Sent like any other; where no rank used the parameter, DDP
+                # drops the result and the hook undoes its residual update (its
+                # "stale" keys, OMGSState._undo_discarded)
+                self.stale.add(key)
         future = _bucket_future(buffer.device)
         with self._lock:
             self._futures.append(future)

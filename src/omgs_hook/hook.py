@@ -937,7 +937,7 @@ class OMGSState:
                         "warmup_steps": 0, "warmup_elements": 0, "warmup_bytes": 0,
                         "sparse_group_elements": 0, "sparse_group_selected": 0,
                         "inter_node_bytes": 0, "intra_node_bytes": 0, "rewound_steps": 0,
-                        "partly_rewound_steps": 0}
+                        "partly_rewound_steps": 0, "unused_restored": 0}
         self._hooks = []
         # keys whose gradient this rank computed since the last synchronised step, where
         # track_local_use() installed the hooks that note them; None: not tracked
@@ -1448,6 +1448,8 @@ class OMGSState:
             if self._used_keys is not None and last:
                 # the marks of no_sync() steps count until here, as DDP's own do
                 self._used_keys.clear()
+                if exchange.stale:
+                    self._undo_discarded_after_ddp(exchange)
             # the two-level stages waited for here are the groups' own work (their
             # reduce-scatter is on the model's compute stream), not this bucket's backward
             self.meter.sends_started(arrived)
@@ -1624,6 +1626,50 @@ class OMGSState:
         except RuntimeError:
             return False
         return True
+
+    def _undo_discarded_after_ddp(self, exchange):
+        """Queue, behind DDP's end-of-backward callback (as :meth:`_raise_after_ddp`
+        does), the undo of the residual update of every ``exchange.stale`` parameter that
+        no rank used in this backward. Such a parameter's ``.grad`` is the one an earlier
+        synchronised step of an accumulation (micro-batches without ``no_sync()``) wrote
+        back; the hook added it to the residual and sent part of it, but DDP (with
+        ``find_unused_parameters=True``) keeps the ``.grad`` of a parameter no rank used
+        and drops the result: the residual would count that gradient a second time and
+        lose what was sent. DDP's used map (summed over the ranks by then) tells which
+        those are. Where another rank used the parameter, DDP applies the result and
+        the update stands. Not with ``gradient_as_bucket_view`` (the result lands in
+        ``.grad`` itself, so it is applied) nor ``static_graph``, nor on the two-level
+        exchange (shard residuals mix parameters); needs :func:`register` (the DDP
+        model)."""
+        ddp = self._registered_ddp()
+        if (ddp is None or not getattr(ddp, "find_unused_parameters", False)
+                or getattr(ddp, "gradient_as_bucket_view", False)
+                or getattr(ddp, "static_graph", False)):
+            return
+        engine = torch.autograd.Variable._execution_engine
+
+        def undo():
+            if (exchange.finished and exchange.error is None and not exchange.nonfinite
+                    and exchange is self._exchange):
+                self._undo_discarded(ddp, exchange)
+
+        def behind_ddp():
+            engine.queue_callback(undo)
+
+        try:
+            engine.queue_callback(behind_ddp)
+        except RuntimeError:
+            pass  # (a hook called outside a backward pass)
+
+    def _undo_discarded(self, ddp, exchange):
+        used = ddp.reducer._get_local_used_map()
+        keys = self._ddp_reduced_keys()
+        if used.numel() != len(keys):
+            return  # (the reducer's parameters are not those of its construction)
+        counts = dict(zip(keys, used.tolist()))
+        dropped = sorted(key for key in exchange.stale if counts.get(key) == 0)
+        if dropped and self.memory.restore_keys(dropped):
+            self._totals["unused_restored"] += len(dropped)
 
     def _begin_step(self, bucket):
         # the step's own forward, before the load probe below reads it
@@ -2850,8 +2896,11 @@ class OMGSState:
         ``topk_s`` and in the hook body ``hook_s``), ``"total"``
         (the same summed, plus re-plans, finished trials and ``"rewound_steps"``, the
         steps whose residual update was undone because their gradient was cleared
-        without an optimizer step, see ``on_unapplied``, and ``"partly_rewound_steps"``,
-        those undone for some of their parameters only; ``"density"`` is the
+        without an optimizer step, see ``on_unapplied``, ``"partly_rewound_steps"``,
+        those undone for some of their parameters only, and ``"unused_restored"``, the
+        parameter updates undone because DDP dropped their result - an accumulation's
+        earlier gradient, handed over again for a parameter no rank used in a later
+        micro-batch (``find_unused_parameters``); ``"density"`` is the
         achieved density of the steps *after* the dense warm-up - dense groups the plan
         chose count with all their elements - ``"sparse_group_density"`` that of the
         sparse groups alone, ``"density_all_steps"`` the old figure with the warm-up

@@ -630,19 +630,30 @@ class ResidualMemory:
         is nothing to undo or the step swapped two-level shard or dense-shard buffers
         (their residuals mix parameters). Either way the last commit is final after."""
         with self._lock:
-            undo, self._undo = self._undo, None
-            if undo is None:
-                return False
-            residuals, groups_swapped, shards_swapped, groups, dense = undo
-            if shards_swapped or self._dense:
-                return False
-            for key in keys:
-                old = residuals.get(key)
-                if old is None:
-                    self._residuals.pop(key, None)
-                else:
-                    self._residuals[key] = old.clone()
-            return True
+            done = self._restore_keys_locked(keys)
+            self._undo = None
+            return done
+
+    def restore_keys(self, keys):
+        """:meth:`rewind_keys`, but the last commit stays undoable: a later
+        :meth:`rewind_last_commit` still puts every residual back as before that step
+        (``keys`` included: their copies are dropped then)."""
+        with self._lock:
+            return self._restore_keys_locked(keys)
+
+    def _restore_keys_locked(self, keys):
+        if self._undo is None:
+            return False
+        residuals, groups_swapped, shards_swapped, groups, dense = self._undo
+        if shards_swapped or self._dense:
+            return False
+        for key in keys:
+            old = residuals.get(key)
+            if old is None:
+                self._residuals.pop(key, None)
+            else:
+                self._residuals[key] = old.clone()
+        return True
 
     def undo_state_dict(self):
         """:meth:`state_dict` as it would be after :meth:`rewind_last_commit`, leaving
