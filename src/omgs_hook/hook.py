@@ -682,6 +682,9 @@ class OMGSState:
             did not park as unused) is undone, the others' kept:
             ``stats()["total"]["partly_rewound_steps"]`` (flat exchange only; the
             two-level exchange's shard residuals mix parameters, and such a step is kept).
+            A loop whose module forward spans several backwards (Lightning's
+            ``training_step``) calls :meth:`before_backward` before each backward
+            instead; ``OMGSStrategy`` does.
         grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision run (default
             None). The hook sees the gradients multiplied by the loss scale, and so
             does the residual it keeps; when the scaler changes the scale (halved after
@@ -771,6 +774,9 @@ class OMGSState:
         # versions, read at the next forward to tell an applied gradient from a dropped one
         self._step_params = []
         self._applied_check = None
+        # False once before_backward() was called: the loop (Lightning) marks each step
+        # right before its backward, and the module's forward no longer decides
+        self._check_at_forward = True
         self._unapplied_streak = 0
         self._rewind_warned = False
         self._partial_rewind_warned = False
@@ -1023,7 +1029,8 @@ class OMGSState:
         # a forward without autograd (an evaluation under no_grad) is not part of a
         # training step: timing it would count the evaluation as an iteration
         if torch.is_grad_enabled():
-            self._check_applied()
+            if self._check_at_forward:
+                self._check_applied()
             self.meter.forward_started()
             if self.grad_scaler is not None and (
                     self._forward_scale is None
@@ -1147,6 +1154,19 @@ class OMGSState:
                    "optimizer step (as a GAN's generator step leaves the discriminator's): "
                    "its residual update is rewound, as plain DDP drops that gradient "
                    "(on_unapplied='rewind'; 'keep' keeps it)", self.step)
+
+    def before_backward(self):
+        """Decide now, instead of at the module's next forward, whether the last step's
+        gradient was applied (``on_unapplied``): for a training loop that calls it right
+        before every backward, after its ``zero_grad()``. Lightning's
+        :class:`~omgs_hook.lightning.OMGSStrategy` does (its ``pre_backward``): there
+        the DDP model's forward is the whole ``training_step``, which in manual
+        optimization runs several backwards (a GAN's discriminator and generator
+        steps) and clears their gradients after that forward, so a check at the
+        forward never saw a dropped gradient. From the first call on, the forward no
+        longer decides."""
+        self._check_at_forward = False
+        self._check_applied()
 
     def _rewind_part(self, untouched, loaded, candidates):
         """The step was applied to some of its parameters only (one DDP model holding a

@@ -27,10 +27,16 @@ Save ``strategy.omgs_state.state_dict()`` on every rank if a run must resume bit
 and load it back in a callback's ``on_train_start`` (``trainer.strategy.omgs_state``).
 A second ``trainer.fit()`` with the same strategy carries the hook's state over itself.
 
+The DDP model's forward is the whole ``training_step``: in manual optimization (a GAN,
+an optimizer each) its backwards and ``zero_grad()`` calls all come after it, so the
+hook decides whether a step's gradient was applied or dropped (``on_unapplied``) before
+each backward (``pre_backward``), not at the forward.
+
 Needs the ``lightning`` extra (``pip install 'omgs-hook[lightning]'``).
 """
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from lightning.pytorch.strategies import DDPStrategy
 
 from .hook import OMGSState, register
@@ -88,6 +94,15 @@ class OMGSStrategy(DDPStrategy):
             self.omgs_options, getattr(self, "precision_plugin", None)))
         if saved is not None:
             self.omgs_state.load_state_dict(saved)
+
+    def pre_backward(self, closure_loss):
+        # the DDP model's forward is the whole training_step: in manual optimization it
+        # runs several backwards, each after its own zero_grad(), so whether the last
+        # step's gradient was applied or dropped (a GAN's generator step leaves the
+        # discriminator's) is decided here, before each backward, not at the forward
+        if self.omgs_state is not None and isinstance(self.model, DistributedDataParallel):
+            self.omgs_state.before_backward()
+        super().pre_backward(closure_loss)
 
 
 def options_with_scaler(options, precision_plugin):
