@@ -79,6 +79,29 @@ def test_a_manual_optimization_gan_rewinds_the_dropped_discriminator_gradient(tm
     assert report["max_diff"] == 0.0
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_weights_restored_by_lightning_or_another_module_start_the_hook_afresh(tmp_path):
+    # LearningRateFinder sweeps the learning rate for 10 steps, then restores the weights
+    # it started from: plain ddp then trains bit for bit as without it, but the hook went
+    # on with the sweep's residuals and step count (residual norm 1.45 at the real
+    # training's start, 20 steps in). A second fit of a new module took over the first
+    # one's residuals; one of another architecture failed with a checkpoint's error
+    out = tmp_path / "restore.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "lightning_restore.py"), "--out", str(out)]
+    returncode, output = run_in_session(cmd, 110, cwd=ROOT,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert returncode == 0, output[-4000:]
+    report = json.loads(out.read_text())
+    assert report["lr_finder_at_train_start"] == [[0, 0.0]]
+    assert report["lr_finder_steps"] == 12  # the sweep's steps are not counted
+    assert report["lr_finder_max_diff"] == 0.0
+    assert report["fits_at_train_start"] == [[0, 0.0]] * 3
+    total = report["last_fit_total"]
+    assert total["steps"] == 6 and total["warmup_steps"] == 2
+
+
 def test_bad_options_are_rejected_when_the_strategy_is_built():
     with pytest.raises(ValueError, match="density"):
         OMGSStrategy(omgs_options={"density": 2.0})

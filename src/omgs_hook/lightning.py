@@ -23,9 +23,14 @@ With ``precision="16-mixed"`` the plugin's ``GradScaler`` is passed to the hook
 (``grad_scaler``), so the residuals follow the loss scale.
 
 Residuals are per rank: Lightning's checkpoints (written by rank 0) do not carry them.
-Save ``strategy.omgs_state.state_dict()`` on every rank if a run must resume bit-exactly,
-and load it back in a callback's ``on_train_start`` (``trainer.strategy.omgs_state``).
-A second ``trainer.fit()`` with the same strategy carries the hook's state over itself.
+Save ``strategy.omgs_state.state_dict()`` on every rank if a run must resume bit-exactly
+(a callback's ``on_save_checkpoint`` runs on every rank), and load it back in a
+callback's ``on_train_start`` (``trainer.strategy.omgs_state``).
+A second ``trainer.fit()`` of the same module with the same strategy carries the hook's
+state over itself; a fit of another module starts afresh. Whenever Lightning restores
+the module's weights from a checkpoint (``ckpt_path=``, the ``LearningRateFinder``'s
+return to the weights it started from), the hook's state starts afresh too, as in a new
+process (``on_train_start`` runs after the restore).
 
 The DDP model's forward is the whole ``training_step``: in manual optimization (a GAN,
 an optimizer each) its backwards and ``zero_grad()`` calls all come after it, so the
@@ -35,11 +40,15 @@ each backward (``pre_backward``), not at the forward.
 Needs the ``lightning`` extra (``pip install 'omgs-hook[lightning]'``).
 """
 
+import logging
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from lightning.pytorch.strategies import DDPStrategy
 
 from .hook import OMGSState, register
+
+logger = logging.getLogger(__name__)
 
 
 class OMGSStrategy(DDPStrategy):
@@ -79,21 +88,52 @@ class OMGSStrategy(DDPStrategy):
             OMGSState(local_clip_norm=clip, module=torch.nn.Module()).close()
         super().__init__(**ddp_kwargs)
         self.omgs_state = None
+        # the state as registered, before any step (what a restore in the fit rolls back
+        # to), and whether the next fit may carry omgs_state over (see load_model_state_dict)
+        self._omgs_fresh = None
+        self._omgs_carry = True
 
     def _register_ddp_hooks(self):
         # DDPStrategy.configure_ddp calls this right after wrapping the model in DDP;
         # Lightning's own version registers hooks on CUDA only.
-        # A second trainer.fit() wraps the module in a new DDP model: the new state takes
-        # over the last one's residuals, step count, plan and measurements (a fresh one
-        # dropped the residuals without a word), as a resume into a fresh DDP model does
+        # A second trainer.fit() of the same module wraps it in a new DDP model: the new
+        # state takes over the last one's residuals, step count, plan and measurements (a
+        # fresh one dropped the residuals without a word), as a resume into a fresh DDP
+        # model does. Not for another module (its residuals are another model's), nor
+        # after Lightning restored the module's weights from a checkpoint since
         saved = None
         if self.omgs_state is not None:
-            saved = self.omgs_state.state_dict()
+            if self._omgs_carry and self.omgs_state.module is self.model.module:
+                saved = self.omgs_state.state_dict()
             self.omgs_state.close()
         self.omgs_state = register(self.model, **options_with_scaler(
             self.omgs_options, getattr(self, "precision_plugin", None)))
+        self._omgs_fresh = self.omgs_state.state_dict()
+        self._omgs_carry = True
         if saved is not None:
             self.omgs_state.load_state_dict(saved)
+
+    def load_model_state_dict(self, checkpoint, strict=True):
+        # Lightning restores the module's weights from one of its checkpoints, which do
+        # not carry the hook's (per-rank) state: residuals, step count and plan belong to
+        # other weights now. In a fit (the LR finder's restore of the weights it started
+        # from) the state is rolled back to a fresh one; between fits (ckpt_path=), the
+        # next fit does not carry it over. Either way the hook starts afresh, as a resume
+        # from that checkpoint in a new process does (its per-rank state can be loaded
+        # back in a callback's on_train_start, which runs after this)
+        super().load_model_state_dict(checkpoint, strict=strict)
+        state = self.omgs_state
+        if state is None:
+            return
+        if (isinstance(self.model, DistributedDataParallel) and not state._closed
+                and state.module is self.model.module):
+            if state.step > 0 or state.memory.state_dict():
+                logger.warning("omgs_hook: Lightning restored the model's weights from a "
+                               "checkpoint at step %d of the hook: its state (residuals, "
+                               "step count, plan) starts afresh", state.step)
+            state.load_state_dict(self._omgs_fresh)
+        else:
+            self._omgs_carry = False
 
     def pre_backward(self, closure_loss):
         # the DDP model's forward is the whole training_step: in manual optimization it
