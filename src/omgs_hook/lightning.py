@@ -92,6 +92,18 @@ class OMGSStrategy(DDPStrategy):
         # to), and whether the next fit may carry omgs_state over (see load_model_state_dict)
         self._omgs_fresh = None
         self._omgs_carry = True
+        self._omgs_saved = None
+
+    def configure_ddp(self):
+        # the last fit's state, saved before DDP's constructor broadcasts the parameters:
+        # that moves every parameter's version, and a decision still pending on the last
+        # step's gradient (a GAN's generator step, whose discriminator gradient the next
+        # zero_grad() clears) read as an optimizer step, so the step was kept
+        self._omgs_saved = None
+        if (self.omgs_state is not None and self._omgs_carry
+                and self.omgs_state.module is self.model):
+            self._omgs_saved = self.omgs_state.state_dict()
+        super().configure_ddp()
 
     def _register_ddp_hooks(self):
         # DDPStrategy.configure_ddp calls this right after wrapping the model in DDP;
@@ -101,10 +113,8 @@ class OMGSStrategy(DDPStrategy):
         # fresh one dropped the residuals without a word), as a resume into a fresh DDP
         # model does. Not for another module (its residuals are another model's), nor
         # after Lightning restored the module's weights from a checkpoint since
-        saved = None
+        saved, self._omgs_saved = self._omgs_saved, None
         if self.omgs_state is not None:
-            if self._omgs_carry and self.omgs_state.module is self.model.module:
-                saved = self.omgs_state.state_dict()
             self.omgs_state.close()
         self.omgs_state = register(self.model, **options_with_scaler(
             self.omgs_options, getattr(self, "precision_plugin", None)))
