@@ -50,12 +50,21 @@ def test_short_soak_keeps_memory_flat_and_residual_bounded(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
+    # planned at step 5, then every 20 steps after the plan in use was made; the measured
+    # selection's first trial (its lead steps included) and a regret trial after it
+    # postpone the periodic re-plans by up to their step bounds (they end at a
+    # timing-dependent step), so count only those that fit after both, minus one for a
+    # re-plan computed in the background: 1 + (160 - 5 - 72 - 36) // 20 - 1 = 2. (This
+    # said 41 steps and 5 re-plans until the trial's tie-break round and lead steps made
+    # the bound 72: a run whose trial took 60-odd steps failed with 4 re-plans.)
+    from omgs_hook import plan_selection
+    trials = (plan_selection.trial_steps_bound(plan_selection.MAX_CANDIDATES,
+                                               lead=plan_selection.FIRST_TRIAL_LEAD_STEPS)
+              + plan_selection.trial_steps_bound(2))
+    least = 1 + (160 - 5 - trials) // 20 - 1
+    assert least >= 2  # at least one periodic re-plan after the trials
     for samples in report["per_rank"]:
-        # planned at step 5, then every 20 steps after the plan in use was made; a
-        # measured-selection trial (at most 41 steps, ending at a timing-dependent step)
-        # postpones the periodic re-plans, so count only those that fit after it:
-        # 1 + (160 - 5 - 41) // 20 = 6, minus one for a re-plan computed in the background
-        assert samples[-1]["replans"] >= 5
+        assert samples[-1]["replans"] >= least
         assert samples[-1]["loss"] < samples[0]["loss"]  # it trained
         assert all(s["residual_norm"] > 0 for s in samples)  # sparse: residual in use
     assert report["total"]["bytes_sent"] < report["total"]["dense_bytes"] / 4
