@@ -70,7 +70,7 @@ import time
 _SCRIPT_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _SCRIPT_DIR]
 
-from omgs_hook.cli_types import integer_at_least  # noqa: E402  (after the sys.path fix)
+from omgs_hook.cli_types import DefaultsHelpFormatter, integer_at_least  # noqa: E402  (after the sys.path fix)
 from omgs_hook.generated_docs import write_generated_section  # noqa: E402
 
 REPO_ROOT = os.path.dirname(_SCRIPT_DIR)
@@ -167,22 +167,12 @@ def _seeds(text):
 _positive_int = integer_at_least(1)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, unless its help already says what the default is
-    (options whose default depends on --model show None, which is not what runs)."""
-
-    def _get_help_string(self, action):
-        if "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser():
     parser = argparse.ArgumentParser(
         description="ResNet-20 on digits (accuracy) or the LSTM on text (bits per character), "
                     "allreduce vs OMGS, with curves "
                     "(see the module docstring).",
-        formatter_class=_HelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     add = parser.add_argument
     add("--configs", type=_configs, default=None,
         help="comma separated: allreduce, omgs:DENSITY, topk:DENSITY, lags:DENSITY, each "

@@ -64,6 +64,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
+from omgs_hook.cli_types import DefaultsHelpFormatter  # noqa: E402
 from omgs_hook.examples import data as example_data  # noqa: E402
 from omgs_hook.examples.models import MODEL_NAMES, build_model, count_parameters  # noqa: E402
 from omgs_hook.topk import BACKENDS as TOPK_BACKENDS  # noqa: E402
@@ -94,20 +95,10 @@ MODEL_DEFAULTS = {
 DDP_SETUP_STEPS = 2
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, unless its help already says what the default is
-    (options left to the library show None, which is not what the run uses)."""
-
-    def _get_help_string(self, action):
-        if "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=_HelpFormatter, allow_abbrev=False)
+        formatter_class=DefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     add("--model", choices=MODEL_NAMES, default="resnet20")
     add("--hook", choices=HOOKS, default="omgs",
@@ -744,8 +735,7 @@ def _keep_previous(path):
     except OSError:
         # best effort: the ranks agreed to replace their files already, and one raising
         # here would leave the others waiting at the barrier
-        if os.path.isfile(tmp):
-            os.remove(tmp)
+        _remove_if_present(tmp)
 
 
 def _ranks_that_failed(failed, rank, world_size, device):

@@ -1,4 +1,5 @@
-"""argparse value types shared by the command-line tools (clear messages, no tracebacks)."""
+"""argparse value types shared by the command-line tools (clear messages, no tracebacks),
+and their help formatter."""
 
 import argparse
 import math
@@ -54,3 +55,14 @@ def non_negative_number(text):
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says what the default is:
+    an option whose default is decided later (by the library, or by another option such
+    as ``--model``) has None, which is not what the run uses."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
