@@ -180,8 +180,9 @@ class StepExchange:
         self.layout.append(tuple(keys))
         for key, grad, param in zip(keys, grads, params):
             self.arrived[key] = (index, grad.view(-1), _offset_in(grad, buffer))
+            not_computed = used is not None and key not in used
             if param.grad is None or not param.requires_grad or (
-                    used is not None and key not in used and not bool(grad.any())):
+                    not_computed and not bool(grad.any())):
                 # unused here: no .grad (zero_grad(set_to_none=True)), or a .grad that
                 # zero_grad(set_to_none=False) left at zero. The zero test is the guard:
                 # a gradient that holds anything is sent as any other - except that of a
@@ -189,7 +190,7 @@ class StepExchange:
                 # .grad is a stale one DDP hands over again every step (and drops the
                 # result of); sent, it was added to the residual each step and spent
                 self.parked.add(key)
-            elif used is not None and key not in used:
+            elif not_computed:
                 # not computed since the last synchronised step, yet a .grad that holds
                 # something: the gradient an earlier synchronised step of an accumulation
                 # wrote back. Sent like any other; where no rank used the parameter, DDP

@@ -1177,15 +1177,8 @@ class OMGSState:
         the others' kept. ``candidates``: the keys a checkpoint taken before this
         decision allowed (None: every key). The two-level exchange's shard residuals
         mix parameters: there the step is kept whole, as before."""
-        exchange = self._exchange
-        parked = exchange.parked if loaded is None and exchange is not None else ()
-        keys = []
-        for p in untouched:
-            key = self._names.get(id(p))
-            if key is None or key in parked or (candidates is not None and key not in candidates):
-                continue
-            if p.grad is None or not bool(p.grad.any()):
-                keys.append(key)
+        keys = [key for p, key in self._rewindable(untouched, loaded, candidates)
+                if p.grad is None or not bool(p.grad.any())]
         if not keys:
             self.memory.forget_last_commit()
             return
@@ -1610,24 +1603,30 @@ class OMGSState:
         untouched = self._untouched(params, versions, optimizer_steps)
         if not untouched:
             return None
-        exchange = self._exchange
-        parked = exchange.parked if loaded is None and exchange is not None else ()
-        keys = sorted(k for k in (self._names.get(id(p)) for p in untouched)
-                      if k is not None and k not in parked
-                      and (candidates is None or k in candidates))
-        if len(untouched) == len(params) and candidates is None and not parked:
-            return None
+        keys = sorted(key for _, key in self._rewindable(untouched, loaded, candidates))
+        if candidates is None and len(keys) == len(params):
+            return None  # (every parameter of the step: untouched, none parked)
         return keys
 
+    def _rewindable(self, untouched, loaded, candidates):
+        """``(param, key)`` of the ``untouched`` parameters whose residual update a rewind
+        may undo: named, not parked by this rank in the step (unless resumed: ``loaded``),
+        and among ``candidates`` (the keys a checkpoint taken before the decision
+        allowed; None: every key)."""
+        exchange = self._exchange
+        parked = exchange.parked if loaded is None and exchange is not None else ()
+        for p in untouched:
+            key = self._names.get(id(p))
+            if key is not None and key not in parked and (
+                    candidates is None or key in candidates):
+                yield p, key
+
     def _raise_after_ddp(self):
-        """With ``nonfinite="raise"``: queue, on the autograd engine, a check that raises
-        :class:`FloatingPointError` from ``backward()`` when this step turned out
-        non-finite. It must run after DDP's own end-of-backward callback (which waits for
-        the bucket futures and copies the gradients out): DDP queues that one after the
-        hook has seen the last bucket, so this one is queued now and queues the check
-        when it runs, behind DDP's. Returns False where the engine takes no callback (a
-        hook called outside a backward pass): the exchange then fails the futures."""
-        engine = torch.autograd.Variable._execution_engine
+        """With ``nonfinite="raise"``: queue, behind DDP's own end-of-backward callback
+        (:func:`_queue_behind_ddp`), a check that raises :class:`FloatingPointError` from
+        ``backward()`` when this step turned out non-finite. Returns False where the
+        engine takes no callback (a hook called outside a backward pass): the exchange
+        then fails the futures."""
 
         def check():
             exchange = self._exchange
@@ -1638,18 +1637,11 @@ class OMGSState:
                     "gradients of this step are NaN and its residual updates were "
                     "discarded")
 
-        def behind_ddp():
-            engine.queue_callback(check)
-
-        try:
-            engine.queue_callback(behind_ddp)
-        except RuntimeError:
-            return False
-        return True
+        return _queue_behind_ddp(check)
 
     def _undo_discarded_after_ddp(self, exchange):
-        """Queue, behind DDP's end-of-backward callback (as :meth:`_raise_after_ddp`
-        does), the undo of the residual update of every ``exchange.stale`` parameter that
+        """Queue, behind DDP's end-of-backward callback (:func:`_queue_behind_ddp`), the
+        undo of the residual update of every ``exchange.stale`` parameter that
         no rank used in this backward. Such a parameter's ``.grad`` is the one an earlier
         synchronised step of an accumulation (micro-batches without ``no_sync()``) wrote
         back; the hook added it to the residual and sent part of it, but DDP (with
@@ -1666,20 +1658,13 @@ class OMGSState:
                 or getattr(ddp, "gradient_as_bucket_view", False)
                 or getattr(ddp, "static_graph", False)):
             return
-        engine = torch.autograd.Variable._execution_engine
 
         def undo():
             if (exchange.finished and exchange.error is None and not exchange.nonfinite
                     and exchange is self._exchange):
                 self._undo_discarded(ddp, exchange)
 
-        def behind_ddp():
-            engine.queue_callback(undo)
-
-        try:
-            engine.queue_callback(behind_ddp)
-        except RuntimeError:
-            pass  # (a hook called outside a backward pass)
+        _queue_behind_ddp(undo)  # (False: a hook called outside a backward pass)
 
     def _undo_discarded(self, ddp, exchange):
         used = ddp.reducer._get_local_used_map()
@@ -3533,6 +3518,24 @@ def omgs_hook(state, bucket):
 # the state made copy.deepcopy(ddp_model) and torch.save(ddp_model) fail on its process
 # group; a copy of a DDP model has no hook anyway, DDP rebuilds its reducer without one)
 _REGISTERED = weakref.WeakKeyDictionary()
+
+
+def _queue_behind_ddp(callback):
+    """Queue ``callback`` on the autograd engine to run after DDP's end-of-backward
+    callback (which waits for the bucket futures and copies the gradients out): DDP queues
+    that one after the hook has seen the last bucket, so a callback queued from the hook
+    queues ``callback`` when it runs, behind DDP's. Returns False where the engine takes
+    no callback (a hook called outside a backward pass)."""
+    engine = torch.autograd.Variable._execution_engine
+
+    def behind_ddp():
+        engine.queue_callback(callback)
+
+    try:
+        engine.queue_callback(behind_ddp)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _saving(sent, dense):
