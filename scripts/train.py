@@ -1205,8 +1205,9 @@ def train(args, rank, world_size, device):
 
 def summarise(args, world_size, start_step, step, iter_times, evaluation, hook, model):
     """Final numbers: accuracy, iteration time in steady state, bytes the hook sent."""
-    # leave out DDP's set-up iterations and the hook's dense warm-up (when they ran now)
-    skip = max(0, max(DDP_SETUP_STEPS, args.warmup_steps) - start_step)
+    # leave out DDP's set-up iterations (every launch builds a new DDP model, resumed
+    # ones too) and the hook's dense warm-up (when it ran now)
+    skip = max(DDP_SETUP_STEPS, args.warmup_steps - start_step)
     steady = iter_times[skip:] or iter_times
     hook_stats = hook.stats() if hook is not None else None
     sent = bytes_sent(hook_stats)

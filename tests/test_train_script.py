@@ -889,3 +889,19 @@ def test_an_elastic_restart_logs_every_step_once(tmp_path):
     steps, evals, summaries = read_log(log)
     assert [r["step"] for r in steps] == list(range(1, 11))
     assert [r["step"] for r in evals] == [10] and len(summaries) == 1
+
+
+def test_a_resumed_launch_leaves_out_ddps_set_up_iterations(train_script):
+    # every launch builds a new DDP model, whose first iteration (one bucket) and bucket
+    # rebuild run slow; docs/training.md: the summary leaves out the first steps of the
+    # launch. A launch resumed at step 15 timed them (its first step 89 ms against 55).
+    args = train_script.parse_args(["--hook", "allreduce"])
+    times = [0.9, 0.5] + [0.1] * 8
+    summary = train_script.summarise(args, 1, 15, 25, times, (0, 0.5, 0.9), None,
+                                     torch.nn.Linear(2, 2))
+    assert summary["timed_steps"] == 8
+    assert summary["mean_iter_s"] == pytest.approx(0.1)
+    # a fresh launch still leaves out max(2, --warmup-steps)
+    fresh = train_script.summarise(args, 1, 0, 10, times, (0, 0.5, 0.9), None,
+                                   torch.nn.Linear(2, 2))
+    assert fresh["timed_steps"] == 5
