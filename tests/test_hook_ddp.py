@@ -448,6 +448,51 @@ def dead_rank_worker(rank, world_size, mode):
     os._exit(0)  # the stalled rank's peers are gone; nothing useful left to report
 
 
+def dead_peer_checkpoint_worker(rank, world_size):
+    """Rank 1 dies at the end of a step that starts a re-plan, before its gather; rank 0
+    then saves and reports, as a SIGTERM handler does when torchrun stops the survivors."""
+    import logging
+
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=1, strategy="optimal",
+                               select="model", replan_every=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train_steps(ddp, opt, 0, 3, rank)  # (sparse steps: residuals to keep)
+    dying = []
+    if rank == 1:  # issues no gather for the next re-plan, and dies once its step ended
+        state._start_replan = lambda *args: dying.append(True)
+    step = 3
+    while (step == 3 or state._pending_replan is None) and step < 12:
+        train_steps(ddp, opt, step, step + 1, rank)
+        step += 1
+        if dying:
+            time.sleep(0.5)  # (its last sends reach rank 0 first)
+            os._exit(3)
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("omgs_hook").addHandler(handler)
+    time.sleep(1.0)  # (rank 1 is gone by now)
+    outcome = {"pending_at_step": step if state._pending_replan is not None else None}
+    try:
+        sd = state.state_dict()
+        stats = state.stats()
+        outcome.update(error=None, residual_keys=sorted(sd["residuals"]),
+                       residuals_finite=all(bool(torch.isfinite(t).all())
+                                            for t in sd["residuals"].values()),
+                       step=sd["step"], plan_job=sd.get("plan_job"),
+                       dropped=stats["total"]["replans_dropped"], warnings=warnings)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        outcome["error"] = f"{type(exc).__name__}: {exc}"
+    try:  # training on raises, as any collective with a dead peer does
+        train_steps(ddp, opt, step, step + 1, rank)
+        outcome["next_step"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        outcome["next_step"] = type(exc).__name__
+    return outcome
+
+
 # ----------------------------------------------------------------------------- tests
 REFERENCE_CASES = {
     "single-group": ({"strategy": "single", "warmup_steps": 1, "log_every": 3, "allow_dense": False}, {}),
@@ -847,6 +892,25 @@ def test_peer_failure_raises_instead_of_hanging(mode):
     assert isinstance(rank0, dict) and "outcome" in rank0, rank0
     assert rank0["outcome"] != "no error", rank0
     assert rank0["elapsed"] < 30, rank0
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_saved_after_a_peer_died_keeps_the_state():
+    """A peer died after its step, before the gather of the re-plan that step started
+    (the survivors get torchrun's SIGTERM; a handler saves a checkpoint). ``state_dict()``
+    and ``stats()`` raised the peer's gloo error there, so the checkpoint was lost. Now
+    the re-plan is dropped with a warning, the state is saved, and training on still
+    raises."""
+    results = run_ranks("test_hook_ddp", "dead_peer_checkpoint_worker", world_size=2,
+                        timeout=90, pg_timeout_s=5, allow_failure=True)
+    rank0 = results[0]
+    assert rank0.get("pending_at_step") is not None, rank0
+    assert rank0["error"] is None, rank0
+    assert rank0["residual_keys"] == sorted(n for n, _ in Net().named_parameters()), rank0
+    assert rank0["residuals_finite"] and rank0["step"] == rank0["pending_at_step"], rank0
+    assert rank0["plan_job"] is None and rank0["dropped"] == 1, rank0
+    assert any("could not gather" in w for w in rank0["warnings"]), rank0
+    assert rank0["next_step"] != "no error", rank0
 
 
 def limited_index_worker(rank, world_size, limit, **kwargs):

@@ -943,7 +943,8 @@ class OMGSState:
                         "warmup_steps": 0, "warmup_elements": 0, "warmup_bytes": 0,
                         "sparse_group_elements": 0, "sparse_group_selected": 0,
                         "inter_node_bytes": 0, "intra_node_bytes": 0, "rewound_steps": 0,
-                        "partly_rewound_steps": 0, "unused_restored": 0}
+                        "partly_rewound_steps": 0, "unused_restored": 0,
+                        "replans_dropped": 0}
         self._hooks = []
         # keys whose gradient this rank computed since the last synchronised step, where
         # track_local_use() installed the hooks that note them; None: not tracked
@@ -1933,18 +1934,35 @@ class OMGSState:
         work, out = self._start_gather(row)
         self._pending_replan = (layout, reason, work, out, meta, time.perf_counter() - started)
 
-    def _finish_replan(self):
+    def _finish_replan(self, reporting=False):
         """Finish the re-plan :meth:`_start_replan` began, if one is pending: at bucket 0,
         or before anything reads what it decides (``stats()``, ``state_dict()``, ...). It
         issues no collective (its gather is in flight on every rank), so a rank may
-        finish it earlier than the others: the result is the same."""
+        finish it earlier than the others: the result is the same.
+
+        ``reporting``: called to report or save (not to train). Where the gather failed
+        (a peer died after its step: the SIGTERM torchrun sends the survivors, whose
+        handler saves a checkpoint), the re-plan is dropped with a warning instead of
+        raising the peer's error there: the state holds everything else, and a run
+        resumed from it re-plans. Training calls raise, as any collective does."""
         with self._replan_lock:  # (a caller on another thread waits until it is done)
             pending, self._pending_replan = self._pending_replan, None
             if pending is None:
                 return
             started = time.perf_counter()
             layout, reason, work, out, meta, started_s = pending
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as exc:  # (gloo and NCCL errors derive from it)
+                if not reporting:
+                    raise
+                logger.warning(
+                    "omgs_hook: the %s re-plan started at the end of step %d could not "
+                    "gather the ranks' measurements (%s: %s); it is dropped, and a run "
+                    "resumed from this state re-plans", reason, self.step,
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self._totals["replans_dropped"] += 1
+                return
             self._replan(layout, reason, self._instance_from_rows(layout, self._rows_of(out), meta))
             # the re-plan's whole time on this thread: its start at the end of the step too
             self._note_stall(started_s + time.perf_counter() - started)
@@ -2905,7 +2923,9 @@ class OMGSState:
         those undone for some of their parameters only, and ``"unused_restored"``, the
         parameter updates undone because DDP dropped their result - an accumulation's
         earlier gradient, handed over again for a parameter no rank used in a later
-        micro-batch (``find_unused_parameters``); ``"density"`` is the
+        micro-batch (``find_unused_parameters``), and ``"replans_dropped"``, re-plans
+        whose gather failed under ``stats()`` or ``state_dict()`` because a peer had
+        died: dropped, not raised; ``"density"`` is the
         achieved density of the steps *after* the dense warm-up - dense groups the plan
         chose count with all their elements - ``"sparse_group_density"`` that of the
         sparse groups alone, ``"density_all_steps"`` the old figure with the warm-up
@@ -2959,7 +2979,7 @@ class OMGSState:
         elements and the ``max`` and ``mean`` steps since an element was last sent).
         """
         # a re-plan started at the end of the last step decides what is reported here
-        self._finish_replan()
+        self._finish_replan(reporting=True)
         total = dict(self._totals)
         all_elements, all_selected = total["elements"], total["selected"]
         sparse_elements = all_elements - total["warmup_elements"]
@@ -3118,7 +3138,7 @@ class OMGSState:
         above the one measured on this rank's host clock, and save it to ``path`` (PNG,
         SVG or PDF). Needs matplotlib; the measured panel needs ``module`` (forward
         timing). Raises RuntimeError before the first planned, measured step."""
-        self._finish_replan()
+        self._finish_replan(reporting=True)
         from .cost_model import schedule
         from .timeline_plot import measured_schedule, plot_timelines
 
@@ -3185,7 +3205,7 @@ class OMGSState:
         """
         # the re-plan the last step started, whose job (``plan_job``) a resumed run must
         # go on with, as this one does at its next bucket 0
-        self._finish_replan()
+        self._finish_replan(reporting=True)
         # the finished steps' measurements, which the next step would have fed to the
         # meters before its re-plan: the resumed run's meters start where this one's are
         self._ingest_finished()
