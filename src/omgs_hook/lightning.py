@@ -64,6 +64,10 @@ class OMGSStrategy(DDPStrategy):
 
     Attributes:
         omgs_state: the :class:`omgs_hook.OMGSState` once training started (None before).
+            With ``start_method="spawn"`` or ``"fork"`` the ranks train in child
+            processes, so the main process's stays None after ``fit``: read
+            ``trainer.strategy.omgs_state.stats()`` in a callback (``on_train_end``
+            runs on every rank) instead.
     """
 
     strategy_name = "omgs_ddp"
