@@ -3399,9 +3399,22 @@ class OMGSState:
         if changed and self.plan is not None:
             logger.info("omgs_hook: options changed since the checkpoint (%s): its plan is "
                         "dropped, the next step re-plans", ", ".join(changed))
-        replan = layout_changed or bool(changed)
+        # parameters frozen since the checkpoint (the module wrapped in a new DDP model
+        # after a change of its trainable set): its plan and trial name parameters this
+        # state does not train, whose sizes summary() and the trial's refit looked up
+        # (KeyError); like other options, that plan is dropped and the next steps re-plan
+        stale = set()
+        if self.module is not None:
+            stale = {k for g in (plan.groups if plan is not None else ()) for k in g}
+            stale.update(k for bucket in layouts["trial_layout"] or () for k in bucket)
+            stale -= set(self._shapes)
+        if stale and self.plan is not None:
+            logger.info("omgs_hook: the checkpoint's plan names %d parameters this model does "
+                        "not train (e.g. %s): its plan is dropped, the next steps re-plan",
+                        len(stale), min(stale))
+        replan = layout_changed or bool(changed) or bool(stale)
         if replan:
-            self.plan = None  # planned for another world size or other options
+            self.plan = None  # planned for another world size, options or parameters
         self.step = int(sd.get("step", 0))
         # the residuals are the checkpoint's; if it was taken before the decision on its
         # last step (see _residuals_before_last_step), the first forward decides it here

@@ -1,0 +1,98 @@
+"""Unusual DDP set-ups found wanting by an outside sweep (sweep G): parameter-efficient
+fine-tuning whose trainable set changes mid-run, and other non-textbook DDP set-ups."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import omgs_hook
+
+from ddp_harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _batch(step, rank):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+
+
+def _train(ddp, opt, start, stop, rank):
+    for step in range(start, stop):
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+
+def refreeze_worker(rank, world_size, select, save_at):
+    """Train, checkpoint the hook state, freeze the first layer, wrap the module in a new
+    DDP model (as DDP requires after a change of the trainable set), register again and
+    carry the state over - dropping the frozen layer's residuals, as load_state_dict's
+    error for them advises - then train on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 4))
+    options = dict(density=0.1, warmup_steps=2, log_every=0, select=select,
+                   strategy="layerwise" if select == "model" else "optimal")
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    _train(ddp, opt, 0, save_at, rank)
+    sd = state.state_dict()
+    carried = {"plan": sd["plan"] is not None, "trial": sd["trial"] is not None}
+    state.close()
+    del ddp, state
+    gc.collect()
+
+    model[0].requires_grad_(False)
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, **options)
+    for key in ("0.weight", "0.bias"):
+        sd["residuals"].pop(key, None)
+    state.load_state_dict(sd)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    _train(ddp, opt, save_at, save_at + 1, rank)
+    try:
+        early = state.summary()  # (the plan in use right after the load)
+    except Exception as exc:  # noqa: BLE001 - reported
+        early = f"{type(exc).__name__}: {exc}"
+    try:
+        _train(ddp, opt, save_at + 1, save_at + 40, rank)
+        trained = None
+    except Exception as exc:  # noqa: BLE001 - reported
+        trained = f"{type(exc).__name__}: {exc}"
+    stats = state.stats()
+    out = {"carried": carried, "early": early, "trained": trained, "plan": stats["plan"],
+           "params": [p.detach().clone() for p in model.parameters()]}
+    state.close()
+    del ddp
+    gc.collect()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("select,save_at", [("model", 6), ("measured", 8)])
+def test_a_checkpoint_carried_over_after_freezing_a_layer_re_plans(select, save_at):
+    """Freezing a layer midway (progressive freezing, a fine-tuning schedule) needs a new
+    DDP model; the hook state carried over to it held a plan (and a measured-selection
+    trial) naming the now-frozen parameters: ``summary()`` raised ``KeyError: '0.bias'``
+    on every rank, and (in a LoRA sweep, a trial carried over near its end) so did the
+    next backward, in the trial's refit. Now such a plan and trial are dropped on load,
+    as ones made for other options are, and the next steps re-plan for the trainable
+    set."""
+    results = run_ranks("test_sweep_g", "refreeze_worker", world_size=2, timeout=110,
+                        select=select, save_at=save_at)
+    for r in results:
+        assert r["carried"]["plan"]  # the checkpoint held a plan naming the frozen layer
+        if select == "measured":
+            assert r["carried"]["trial"]
+        assert r["early"].startswith("omgs_hook after"), r["early"]
+        assert r["trained"] is None, r["trained"]
+        planned = {k for group in r["plan"]["group_keys"] for k in group}
+        assert planned == {"2.weight", "2.bias", "4.weight", "4.bias"}, planned
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
