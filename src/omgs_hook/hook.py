@@ -444,10 +444,11 @@ def _two_level_corrected(two_level, correction):
 _compute_plan = plan_job.compute_plan
 
 
-def _check_plan_keys(plan, shapes):
-    """A pinned plan of parameter names must cover exactly the trained parameters."""
+def _check_plan_keys(plan, shapes, optional=()):
+    """A pinned plan of parameter names must cover exactly the trained parameters
+    (``optional``: those it may leave out, which DDP never hands the hook)."""
     planned = {k for g in plan.groups for k in g}
-    missing = sorted(set(shapes) - planned)
+    missing = sorted(set(shapes) - planned - set(optional))
     unknown = sorted(planned - set(shapes))
     if missing or unknown:
         raise ValueError(
@@ -730,6 +731,7 @@ class OMGSState:
         on_unapplied="rewind",
         min_sparse_numel=None,
         grad_scaler=None,
+        _ddp_ignored=(),
     ):
         self.density = _check_fraction("density", density)
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
@@ -957,7 +959,11 @@ class OMGSState:
         self._group_of = (None, {})
         self._group_missing = []
         if self._pinned is not None and self._pinned[0] == "keys" and module is not None:
-            _check_plan_keys(self._pinned[1], self._shapes)
+            # parameters DDP ignores (its parameters_to_ignore: the module's ignore list,
+            # delay_all_reduce_named_params) are in no bucket, so in no saved plan: a plan
+            # saved from such a model was refused here, naming them as missing
+            ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+            _check_plan_keys(self._pinned[1], self._shapes, ignored | set(_ddp_ignored))
             _check_sparse_group_sizes(self._pinned[1], self._shapes)
         if dist.is_available() and dist.is_initialized():
             self._setup_topology()
@@ -3609,7 +3615,8 @@ def register(ddp_model, **options):
             "where a step ends. Construct DDP without it; the hook already sends nothing "
             "for a parameter no rank used and keeps its residual")
     options.setdefault("process_group", ddp_model.process_group)
-    state = OMGSState(module=ddp_model.module, **options)
+    state = OMGSState(module=ddp_model.module,
+                      _ddp_ignored=getattr(ddp_model, "parameters_to_ignore", ()), **options)
     state._ddp_ref = weakref.ref(ddp_model)
     # every DDP mode: besides find_unused_parameters, a rank that joined (ddp.join())
     # runs shadow steps with no backward of its own while its last .grad is still set
