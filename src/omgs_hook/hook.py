@@ -476,6 +476,9 @@ class OMGSState:
 
     Args:
         process_group: the process group to communicate over (None: the default group).
+            With ``register_comm_hook`` on a DDP model built over a subgroup, pass DDP's
+            group here: the hook cannot see it, and on the default group it would average
+            with every rank of the job (:func:`register` passes it).
         density (float): fraction rho of each group's elements that is sent, in (0, 1].
             ``1.0`` means plain all-reduce (no sparsification, no residual).
         strategy (str): how buckets are merged into groups: ``"optimal"`` (default, the
