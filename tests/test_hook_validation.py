@@ -337,6 +337,32 @@ def test_ddp_that_skips_buckets_of_unused_parameters_is_refused():
     assert message and "skip_all_reduce_unused_params" in message, message
 
 
+def mixed_precision_worker(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks.mixed_precision_hooks import \
+        _AllreduceUpcastHookState  # noqa: F401 - (the hook DDP registers for it)
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    ddp = DDP(nn.Linear(4, 4), mixed_precision=_MixedPrecision(param_dtype=torch.float16))
+    try:
+        omgs_hook.register(ddp)
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_ddp_with_its_own_mixed_precision_hook_is_refused_naming_it():
+    # DDP(mixed_precision=...) registers a communication hook of its own: register() said
+    # "DDP refused the hook (register_comm_hook ... can only be called once)", about a
+    # call the user never made
+    import inspect
+
+    if "mixed_precision" not in inspect.signature(DDP.__init__).parameters:
+        pytest.skip("this torch's DDP has no mixed_precision")
+    (message,) = run_ranks("test_hook_validation", "mixed_precision_worker", world_size=1)
+    assert message and message.startswith("ValueError") and "mixed_precision" in message, message
+
+
 def world_size_policy_worker(rank, world_size):
     saved = {
         "format_version": 1, "step": 10, "world_size": 4, "rank": 0, "density": 0.01,

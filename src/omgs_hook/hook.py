@@ -3617,6 +3617,15 @@ def register(ddp_model, **options):
             "DDP skips the hook for a bucket of unused parameters, so the hook cannot tell "
             "where a step ends. Construct DDP without it; the hook already sends nothing "
             "for a parameter no rank used and keeps its residual")
+    if getattr(ddp_model, "mixed_precision", None) is not None:
+        # DDP registers a hook of its own for it (gradients cast back to fp32, then its
+        # all-reduce), and a DDP model takes one: register_comm_hook would say "can only
+        # be called once", about a call the user never made
+        raise ValueError(
+            "omgs_hook.register: DDP(mixed_precision=...) is not supported: DDP then "
+            "registers its own communication hook, and a DDP model takes only one. Construct "
+            "DDP without it and train under torch.autocast (with a GradScaler for float16, "
+            "passed as grad_scaler=)")
     options.setdefault("process_group", ddp_model.process_group)
     state = OMGSState(module=ddp_model.module,
                       _ddp_ignored=getattr(ddp_model, "parameters_to_ignore", ()), **options)
