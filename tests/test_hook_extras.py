@@ -303,6 +303,18 @@ def test_the_summary_of_a_dense_run_does_not_wait_for_a_plan():
     assert "no plan yet (dense warm-up of 3 steps)" in sparse and "achieved density" in sparse
 
 
+def test_the_summary_past_the_warm_up_without_a_plan_does_not_report_a_warm_up():
+    """Past the warm-up with no plan in use (the first one being made, or a load that
+    dropped the checkpoint's plan: other options, or a layer frozen since), the summary
+    said "no plan yet (dense warm-up of 3 steps)" at step 7, while each step went out as
+    one sparse group."""
+    state = omgs_hook.OMGSState(density=0.01, warmup_steps=3)
+    state.step = 7  # (where a load of a step-7 checkpoint whose plan was dropped leaves it)
+    text = state.summary()
+    assert "dense warm-up of" not in text and "no plan in use yet" in text, text
+    assert "one sparse group" in text, text
+
+
 def test_the_summary_says_more_or_as_much_when_sparse_saves_nothing():
     """The summary printed "(1.0x less)" for a step that sent as much as a dense one and
     "(0.5x less)" for one that sent twice as much (a high density: an index per value)."""

@@ -3079,9 +3079,15 @@ class OMGSState:
         if plan is None and self.density >= 1.0:
             lines.append(f"omgs_hook after {s['step']} steps: density 1, so every step is a "
                          f"dense all-reduce and nothing is planned")
-        elif plan is None:
+        elif plan is None and s["step"] < self.warmup_steps:
             lines.append(f"omgs_hook after {s['step']} steps: no plan yet (dense warm-up of "
                          f"{self.warmup_steps} steps)")
+        elif plan is None:
+            # past the warm-up: the first plan is being made, or a load dropped the
+            # checkpoint's (other options, world size or trainable parameters)
+            lines.append(f"omgs_hook after {s['step']} steps: no plan in use yet (one is "
+                         f"being made: the first, or after a load that dropped the saved "
+                         f"plan); until then each step is sent as one sparse group")
         else:
             history = s["plan_history"]
             how = history[-1]["reason"] if history else "model"
