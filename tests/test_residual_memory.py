@@ -356,3 +356,22 @@ def test_squared_norm_of_huge_finite_values_is_finite():
     assert math.isinf(float(squared_norm(values)))
     values[7] = float("nan")
     assert math.isnan(float(squared_norm(values)))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scale", [1e-25, 1e-30, 1e-40])
+def test_squared_norm_of_tiny_values_does_not_underflow(scale):
+    """The other end of the huge-values case: fp32 row norms square each element in
+    fp32, and below about 1e-19 per element those squares are subnormal or flush to 0.
+    A gradient of such tiny (but normal, or subnormal) fp32 values must still have its
+    norm to fp64 precision - stats()["error_feedback"] reported 1.6e-31 for a gradient
+    of norm 6.6e-31, and local_clip_norm's factor is computed from this norm."""
+    gen = torch.Generator().manual_seed(0)
+    values = (torch.randn(100_000, generator=gen, dtype=torch.float64) * scale).float()
+    exact = float(values.double().pow(2).sum())
+    assert exact > 0
+    assert float(squared_norm(values)) == pytest.approx(exact, rel=1e-6, abs=0)
+    # every square flushes to zero in fp32: the row norms alone give exactly 0
+    flat = torch.full((1024,), scale, dtype=torch.float32)
+    assert float(squared_norm(flat)) == pytest.approx(float(flat.double().pow(2).sum()), rel=1e-6, abs=0)
+    assert float(squared_norm(torch.zeros(1024))) == 0.0

@@ -174,7 +174,9 @@ def squared_norm(tensor):
     element although every value and the norm itself are finite: on the CPU such a sum
     (inf) is computed again in fp64, so that a huge but finite gradient is not read as
     an infinite norm - ``local_clip_norm``'s factor was ``threshold / inf = 0`` there,
-    which dropped the gradient instead of clipping it. (A host read of one number,
+    which dropped the gradient instead of clipping it. Likewise a sum so small that
+    fp32 squares may have underflowed (a tensor of all zeros included) is computed
+    again in fp64. (A host read of one number,
     free on the CPU; on CUDA it would synchronise, so the fp32 sum stands there.)"""
     flat = tensor.detach().reshape(-1)
     if flat.dtype == torch.float64:
@@ -187,9 +189,15 @@ def squared_norm(tensor):
         total = total + rows.double().square().sum()
     if whole < flat.numel():
         total = total + torch.linalg.vector_norm(flat[whole:], dtype=torch.float64).square()
-    if flat.device.type == "cpu" and math.isinf(float(total)):
-        # overflowed in fp32, or an inf in the tensor (then this is inf again)
-        total = torch.linalg.vector_norm(flat, dtype=torch.float64).square()
+    if flat.device.type == "cpu":
+        value = float(total)
+        # overflowed in fp32, or an inf in the tensor (then this is inf again); or so
+        # small that squares below fp32's normal range (elements under about 1e-19)
+        # may have been flushed to 0 or lost their precision in the fp32 row sums - a
+        # gradient of 1e-25 values read about 700x too small (elements squared under
+        # 2**-126 lose at most numel * 2**-126, under 1e-8 of numel * 2**-100)
+        if math.isinf(value) or value < flat.numel() * 2.0 ** -100:
+            total = torch.linalg.vector_norm(flat, dtype=torch.float64).square()
     return total
 
 
