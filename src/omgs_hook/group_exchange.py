@@ -23,12 +23,38 @@ import collections
 import contextlib
 import threading
 import time
+import warnings
 
 import torch
 
 from . import communicator, cost_model
 from .cost_model import selected_k
 from .residual_memory import CURRENT, squared_norm
+
+_FP32 = torch.finfo(torch.float32)
+_fp64_range_warned = False  # once per process: the check costs a pass per fp64 gradient
+
+
+def _warn_if_fp64_outside_fp32(segments):
+    """Warn (once) when a float64 gradient lies outside float32's range. The hook adds,
+    selects and keeps residuals in fp32, so such a gradient was silently lost (all of
+    it below ~1e-45, its precision below ~1e-38) or read as inf - a "NaN/Inf"
+    step that plain DDP, all-reducing in fp64, does not have. CPU only (a host read)."""
+    global _fp64_range_warned
+    for _, _, grad in segments:
+        if _fp64_range_warned or grad.dtype != torch.float64 or grad.device.type != "cpu":
+            continue
+        amax = float(grad.abs().max()) if grad.numel() else 0.0
+        if _FP32.max < amax < float("inf") or 0.0 < amax < _FP32.tiny:
+            _fp64_range_warned = True
+            what = ("overflows to inf (the step is treated as non-finite)" if amax > 1 else
+                    "loses its precision or is flushed to zero (error feedback loses it)")
+            warnings.warn(
+                f"omgs_hook: a float64 gradient's largest magnitude is {amax:.3g}, outside "
+                f"float32's normal range ({_FP32.tiny:.3g} to {_FP32.max:.3g}); the hook "
+                f"accumulates, selects and keeps residuals in float32, so this gradient "
+                f"{what}. Scale the loss into float32's range, or use density=1.0 / plain "
+                f"DDP for this model", RuntimeWarning, stacklevel=2)
 
 
 class GroupRecord:
@@ -277,9 +303,12 @@ class StepExchange:
             else:
                 runs.append([offset, n, index, at, key])
             offset += n
-        return [(g_off, n, self.arrived[key][1] if at is None
-                 else self._buffers[index][at:at + n])
-                for g_off, n, index, at, key in runs]
+        segments = [(g_off, n, self.arrived[key][1] if at is None
+                     else self._buffers[index][at:at + n])
+                    for g_off, n, index, at, key in runs]
+        if self.measure_health and not _fp64_range_warned:  # every HEALTH_EVERY steps
+            _warn_if_fp64_outside_fp32(segments)
+        return segments
 
     def _sources(self, keys):
         """The group's buffers, each key's residual source (``CURRENT``, None or a
