@@ -40,16 +40,19 @@ def main():
     ap.add_argument("--cap", default="0.4")
     ap.add_argument("--profile-budget", default="40")
     ap.add_argument("--variants", default="allreduce,default,sparse_model,topk,lags,topk_again")
+    ap.add_argument("--nodes", type=int, default=4, help="ranks (one per namespace)")
     args = ap.parse_args()
-    with Cluster(nodes=4, rate=args.rate) as cl:
+    # (a run with other than 4 ranks tags its files with the rank count)
+    nodes_tag = "" if args.nodes == 4 else f"n{args.nodes}_"
+    with Cluster(nodes=args.nodes, rate=args.rate) as cl:
         tp = cl.measure_throughput(0, 1, seconds=1.0)
         print(f"throughput 0->1: {tp.bits_per_s/1e6:.1f} Mbit/s", flush=True)
         if args.mode == "calib":
             for v in ("compute", "allreduce"):
                 run(cl, [PY, TRAIN, "--variant", v, "--steps", "40", "--window-start", "10",
-                         "--bucket-cap-mb", args.cap], f"calib_{args.rate}_{v}", 300)
+                         "--bucket-cap-mb", args.cap], f"calib_{nodes_tag}{args.rate}_{v}", 300)
             return
-        tag = f"{args.rate}_d{args.density}"
+        tag = f"{nodes_tag}{args.rate}_d{args.density}"
         prof = os.path.join(HERE, f"profile_{tag}.json")
         if not os.path.exists(prof):
             t0 = time.time()
@@ -57,7 +60,7 @@ def main():
                                 "--time-budget", args.profile_budget, "--max-topk-size", "2000000",
                                 "--no-plot", "--no-progress"], timeout=400, cwd=HERE)
             with open(os.path.join(HERE, "raw", f"profile_{tag}.log"), "w") as f:
-                for r in range(4):
+                for r in range(args.nodes):
                     f.write(f"== rank {r} rc={res.returncodes[r]}\n{res.stdout[r]}\n{res.stderr[r]}\n")
             print(f"profile: {res.summary()} in {time.time()-t0:.0f}s", flush=True)
             res.check()
