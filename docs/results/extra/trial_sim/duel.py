@@ -2,34 +2,18 @@
 the trial's winner and its runner-up alternate in blocks (1 settle + `counted` steps each,
 the order alternating) for `pairs` pairs; the one with the lower median of per-pair ratios
 is kept. Same synthetic host as sim.py; the trial itself is the library's."""
-import math, os, random, statistics, sys
+import os, random, statistics, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sim
-from omgs_hook import plan_selection as ps
 
 
 def run(true, seed, pairs, counted=4, sigma_phase=0.2, rho=0.9, sigma_iid=0.05, kappa=0.0, ranks=4):
-    rnd = random.Random(seed)
-    names = list(true)
-    trial = ps.Trial([sim.cand(n, i) for i, n in enumerate(names)], 0, lead=ps.FIRST_TRIAL_LEAD_STEPS)
-    phase, step = rnd.gauss(0, sigma_phase), 0
+    host = sim.Host(random.Random(seed), sigma_phase, rho, sigma_iid, kappa, ranks)
+    trial, _ = sim.drive_trial(true, host)
 
     def step_time(name):
-        nonlocal phase
-        phase = rho * phase + math.sqrt(1 - rho * rho) * rnd.gauss(0, sigma_phase)
-        t = true[name] * math.exp(phase) * max(math.exp(rnd.gauss(0, sigma_iid)) for _ in range(ranks))
-        return t, 0.3 * math.exp(kappa * phase) * math.exp(rnd.gauss(0, 0.03))
+        return host.step(true[name])
 
-    while not trial.done and step < 400:
-        if trial.round_complete(step):
-            trial.finish_round([trial.local_row()], step)
-            if trial.done:
-                break
-        c = trial.candidate_at(step)
-        t, fwd = step_time(names[c] if c is not None else names[0])
-        if c is not None:
-            trial.record(step, t, probe=fwd, forward=fwd)
-        step += 1
     rep = trial.report()
     ranked = sorted((c for c in rep["candidates"] if c["measured_s"]), key=lambda c: c["measured_s"])
     winner = rep["winner"]

@@ -13,13 +13,32 @@ from omgs_hook import plan_selection as ps
 def cand(name, i):
     return ps.Candidate(name, tuple((j,) for j in range(i + 1)), tuple([False] * (i + 1)), 1.0)
 
-def simulate(true, seed, sigma_phase=0.10, rho=0.9, sigma_iid=0.05, kappa=0.7, ranks=4,
-             max_confirm=ps.MAX_CONFIRM, prefer_single=False, fixed_tie=None, **trial_kw):
-    rnd = random.Random(seed)
+class Host:
+    """Synthetic step times: a phase (AR(1) in log space) the forward follows by
+    ``kappa``, times the slowest of ``ranks`` ranks' own noise."""
+
+    def __init__(self, rnd, sigma_phase=0.10, rho=0.9, sigma_iid=0.05, kappa=0.7, ranks=4):
+        self.rnd, self.sigma_phase, self.rho = rnd, sigma_phase, rho
+        self.sigma_iid, self.kappa, self.ranks = sigma_iid, kappa, ranks
+        self.phase = rnd.gauss(0, sigma_phase)
+
+    def advance(self):
+        self.phase = (self.rho * self.phase
+                      + math.sqrt(1 - self.rho * self.rho) * self.rnd.gauss(0, self.sigma_phase))
+
+    def step(self, true_s):
+        """(step seconds, forward seconds) of the next step of a plan of ``true_s``."""
+        self.advance()
+        t = true_s * math.exp(self.phase) * max(math.exp(self.rnd.gauss(0, self.sigma_iid))
+                                                for _ in range(self.ranks))
+        return t, 0.3 * math.exp(self.kappa * self.phase) * math.exp(self.rnd.gauss(0, 0.03))
+
+
+def drive_trial(true, host, **trial_kw):
+    """Run the library's Trial over the candidates ``true`` (name -> true seconds)."""
     names = list(true)
-    cands = [cand(n, i) for i, n in enumerate(names)]
-    trial = ps.Trial(cands, 0, lead=ps.FIRST_TRIAL_LEAD_STEPS, max_confirm=max_confirm, **trial_kw)
-    phase = rnd.gauss(0, sigma_phase)
+    trial = ps.Trial([cand(n, i) for i, n in enumerate(names)], 0,
+                     lead=ps.FIRST_TRIAL_LEAD_STEPS, **trial_kw)
     step = 0
     while not trial.done and step < 400:
         if trial.round_complete(step):
@@ -27,13 +46,19 @@ def simulate(true, seed, sigma_phase=0.10, rho=0.9, sigma_iid=0.05, kappa=0.7, r
             if trial.done:
                 break
         c = trial.candidate_at(step)
-        phase = rho * phase + math.sqrt(1 - rho * rho) * rnd.gauss(0, sigma_phase)
-        if c is not None:
-            # slowest of `ranks` ranks: the max of iid noises
-            t = true[names[c]] * math.exp(phase) * max(math.exp(rnd.gauss(0, sigma_iid)) for _ in range(ranks))
-            fwd = 0.3 * math.exp(kappa * phase) * math.exp(rnd.gauss(0, 0.03))
+        if c is None:
+            host.advance()
+        else:
+            t, fwd = host.step(true[names[c]])
             trial.record(step, t, probe=fwd, forward=fwd)
         step += 1
+    return trial, step
+
+
+def simulate(true, seed, sigma_phase=0.10, rho=0.9, sigma_iid=0.05, kappa=0.7, ranks=4,
+             max_confirm=ps.MAX_CONFIRM, prefer_single=False, fixed_tie=None, **trial_kw):
+    host = Host(random.Random(seed), sigma_phase, rho, sigma_iid, kappa, ranks)
+    trial, step = drive_trial(true, host, max_confirm=max_confirm, **trial_kw)
     rep = trial.report()
     winner = rep["winner"]
     if prefer_single and winner != "single":
