@@ -13,6 +13,7 @@ import omgs_hook
 from ddp_harness import run_ranks
 
 pytestmark = pytest.mark.multiprocess
+MODULE = "test_parameters_ddp_does_not_reduce"  # (where run_ranks finds the workers)
 
 
 def _batch(step, rank):
@@ -84,7 +85,7 @@ def test_a_checkpoint_carried_over_after_freezing_a_layer_re_plans(select, save_
     next backward, in the trial's refit. Now such a plan and trial are dropped on load,
     as ones made for other options are, and the next steps re-plan for the trainable
     set."""
-    results = run_ranks("test_parameters_ddp_does_not_reduce", "refreeze_worker", world_size=2, timeout=110,
+    results = run_ranks(MODULE, "refreeze_worker", world_size=2, timeout=110,
                         select=select, save_at=save_at)
     for r in results:
         assert r["carried"]["plan"]  # the checkpoint held a plan naming the frozen layer
@@ -141,13 +142,13 @@ def test_a_plan_of_a_model_with_ddp_ignored_parameters_can_be_pinned(how):
     ``register()`` with "the pinned plan does not match the model's parameters (not in
     the plan: ['4.bias', '4.weight'], ...)" - and a plan naming them is refused once DDP's
     buckets are known: no plan could be pinned at all."""
-    first = run_ranks("test_parameters_ddp_does_not_reduce", "ignored_pin_worker", world_size=2, timeout=110,
-                      how=how, pin=None)
+    first = run_ranks(MODULE, "ignored_pin_worker", world_size=2, timeout=110, how=how,
+                      pin=None)
     pin = first[0]["plan"]
     assert {k for g in pin["group_keys"] for k in g} == {"0.weight", "0.bias", "2.weight",
                                                          "2.bias"}
-    again = run_ranks("test_parameters_ddp_does_not_reduce", "ignored_pin_worker", world_size=2, timeout=110,
-                      how=how, pin=pin)
+    again = run_ranks(MODULE, "ignored_pin_worker", world_size=2, timeout=110, how=how,
+                      pin=pin)
     for r in again:
         assert r["history"] == ["pinned"]
         assert r["plan"]["group_keys"] == pin["group_keys"]
