@@ -2926,7 +2926,9 @@ class OMGSState:
         groups, dense groups, whether the step was non-finite, measured
         forward+backward+communication seconds, host seconds in top-k selection
         ``topk_s`` and in the hook body ``hook_s``), ``"total"``
-        (the same summed, plus re-plans, finished trials and ``"rewound_steps"``, the
+        (the counts summed over the run - steps, bytes sent and their dense equivalent,
+        elements and entries selected, non-finite steps; not the times nor the group
+        counts - plus re-plans, finished trials and ``"rewound_steps"``, the
         steps whose residual update was undone because their gradient was cleared
         without an optimizer step, see ``on_unapplied``, ``"partly_rewound_steps"``,
         those undone for some of their parameters only, and ``"unused_restored"``, the
