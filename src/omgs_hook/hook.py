@@ -517,7 +517,10 @@ class OMGSState:
             its sparse all-gather's startup. None (default): ``DEFAULT_MIN_SPARSE_NUMEL``
             (1024) with ``allow_dense``, 0 without; 0 turns the guard off. A value above
             0 needs ``allow_dense=True`` (``allow_dense=False`` is the paper's algorithm,
-            whose groups are all sparse). A pinned ``plan`` keeps its own flags.
+            whose groups are all sparse). A pinned ``plan`` keeps its own flags. Steps
+            with no plan in use (the first steps after the warm-up, while the first plan
+            is made) and parameters no plan names (unfrozen since) go out as one sparse
+            group, unguarded.
         select (str): how the plan in use is chosen. ``"measured"`` (default): after each
             model-based plan, a bounded trial times a few candidate plans for real (the
             model's choice, the optimum without dense groups, all-dense (DDP's own
