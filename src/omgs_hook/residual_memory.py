@@ -374,7 +374,9 @@ class ResidualMemory:
         self._dense = {}  # keys tuple -> DenseShardBuffers (two-level dense groups)
         self._dense_used = set()  # keys tuples whose DenseShardBuffers this step used
         self._undo = None  # what the last commit replaced (rewind_last_commit)
-        self._lock = threading.Lock()
+        # reentrant: a signal handler that saves (state_dict) may run on the thread
+        # that holds it (a commit on the autograd thread)
+        self._lock = threading.RLock()
 
     # -- reading --------------------------------------------------------------
     def get(self, key):
@@ -665,19 +667,16 @@ class ResidualMemory:
 
     def undo_state_dict(self):
         """:meth:`state_dict` as it would be after :meth:`rewind_last_commit`, leaving
-        everything as it is (the rewind stays possible); None with nothing to undo."""
-        with self._lock:
-            undo = self._undo
-            if undo is None:
+        everything as it is (the rewind stays possible); None with nothing to undo.
+        Read from the commit's record, changing nothing: rewinding, copying and redoing
+        the commit let the training thread - whose next forward forgets the record and
+        whose backward writes into the spare halves - run on a swapped memory, and the
+        training changed (tests/test_concurrent_state_dict.py)."""
+        with self._lock:  # (held while copying: the spare halves are the next step's)
+            if self._undo is None:
                 return None
-            after = (dict(self._residuals), dict(self._groups), dict(self._dense))
-        self.rewind_last_commit()
-        before = self.state_dict()
-        with self._lock:  # redo the commit: swap again, its mapping back, its record kept
-            _swap_all(undo[1], undo[2])
-            self._residuals, self._groups, self._dense = after
-            self._undo = undo
-        return before
+            residuals, _, shards_swapped, _, _ = self._undo
+            return self._state_dict_of(residuals, shards_swapped)
 
     def scale_(self, factor):
         """Multiply every stored residual by ``factor`` (a GradScaler changed the loss
@@ -707,15 +706,23 @@ class ResidualMemory:
     # -- persistence ------------------------------------------------------------
     def state_dict(self):
         """``{name: residual shaped like the parameter}`` (fp32 clones)."""
+        with self._lock:  # (a commit on another thread rebinds residuals, swaps buffers)
+            return self._state_dict_of(self._residuals)
+
+    def _state_dict_of(self, residuals, swapped_shards=()):
+        """:meth:`state_dict` of ``residuals``, reading the shard stores in
+        ``swapped_shards`` from their other half (as they were before the last commit)."""
+        swapped = {id(store) for store in swapped_shards}
         out = {}
-        for key, tensor in self._residuals.items():
+        for key, tensor in residuals.items():
             out[key] = tensor.detach().clone()
         for store in self._shards.values():  # full-shaped, zeros outside the shard
+            current = store.spare if id(store) in swapped else store.current
             for key, n in zip(store.keys, store.numels):
                 if key not in out:  # every key of the group, so every rank saves the same keys
                     out[key] = torch.zeros(n, dtype=torch.float32, device=store.device)
             for key, k_start, s_start, n in store.key_ranges():
-                out[key][k_start:k_start + n] += store.current[s_start:s_start + n]
+                out[key][k_start:k_start + n] += current[s_start:s_start + n]
         for key, t in out.items():
             shape = self._shapes.get(key)
             strides = self._strides.get(key)
