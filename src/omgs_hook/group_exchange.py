@@ -664,6 +664,8 @@ class StepExchange:
             record.done = time.perf_counter() if completed_at is None else completed_at
         except BaseException as exc:  # noqa: BLE001 - routed to the futures
             self._fail(exc, group_finished=True)
+            if not isinstance(exc, Exception):
+                raise  # (KeyboardInterrupt, SystemExit: the script's, not the futures')
             return
         self._keys_done(record.keys, group_finished=True, written=written)
         if completed_at is not None and len(self.writeback_samples) > samples:
@@ -770,6 +772,12 @@ class StepExchange:
             self._futures[index].set_result(self._buffers[index])
 
     def _fail(self, exc, group_finished):
+        if not isinstance(exc, Exception):
+            # a Ctrl-C or sys.exit() in a signal handler while the hook ran: a torch future
+            # takes an Exception only (set_exception raised AssertionError, which replaced
+            # the KeyboardInterrupt the script catches); the caller re-raises the original
+            exc = RuntimeError(f"omgs_hook: the backward pass was interrupted "
+                               f"({type(exc).__name__})")
         pending = []
         with self._lock:
             if self.error is None:
