@@ -932,6 +932,7 @@ class OMGSState:
         self._pending_replan = None
         # a logging thread's stats() may finish it while bucket 0 does: once, by one of them
         self._replan_lock = threading.RLock()  # (re-entered by a log handler: a no-op)
+        self._finishing_replan = False  # _finish_replan is running (see there)
         self._polled_result = None  # the pending job's result, once polled, until in use
         self._probe_error = None  # what polling for a probe raised (see _issue_ready_probe)
         self._replan_stall = (0.0, 0.0)  # (last, largest) seconds; see _note_stall
@@ -1958,26 +1959,39 @@ class OMGSState:
         raising the peer's error there: the state holds everything else, and a run
         resumed from it re-plans. Training calls raise, as any collective does."""
         with self._replan_lock:  # (a caller on another thread waits until it is done)
-            pending, self._pending_replan = self._pending_replan, None
-            if pending is None:
+            pending = self._pending_replan
+            # (a signal handler's state_dict() re-entering on this thread while it runs)
+            if pending is None or self._finishing_replan:
                 return
-            started = time.perf_counter()
-            layout, reason, work, out, meta, started_s = pending
+            # pending until made: a Ctrl-C landing in the wait or the re-plan lost it, and
+            # the state saved after it had no plan job where the other ranks' had one (their
+            # resumed runs then hung at the switch's all-gather)
+            self._finishing_replan = True
             try:
-                work.wait()
-            except RuntimeError as exc:  # (gloo and NCCL errors derive from it)
-                if not reporting:
-                    raise
-                logger.warning(
-                    "omgs_hook: the %s re-plan started at the end of step %d could not "
-                    "gather the ranks' measurements (%s: %s); it is dropped, and a run "
-                    "resumed from this state re-plans", reason, self.step,
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-                self._totals["replans_dropped"] += 1
-                return
-            self._replan(layout, reason, self._instance_from_rows(layout, self._rows_of(out), meta))
-            # the re-plan's whole time on this thread: its start at the end of the step too
-            self._note_stall(started_s + time.perf_counter() - started)
+                self._finish_pending_replan(pending, reporting)
+            finally:
+                self._finishing_replan = False
+
+    def _finish_pending_replan(self, pending, reporting):
+        started = time.perf_counter()
+        layout, reason, work, out, meta, started_s = pending
+        try:
+            work.wait()
+        except RuntimeError as exc:  # (gloo and NCCL errors derive from it)
+            self._pending_replan = None
+            if not reporting:
+                raise
+            logger.warning(
+                "omgs_hook: the %s re-plan started at the end of step %d could not "
+                "gather the ranks' measurements (%s: %s); it is dropped, and a run "
+                "resumed from this state re-plans", reason, self.step,
+                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self._totals["replans_dropped"] += 1
+            return
+        self._replan(layout, reason, self._instance_from_rows(layout, self._rows_of(out), meta))
+        self._pending_replan = None
+        # the re-plan's whole time on this thread: its start at the end of the step too
+        self._note_stall(started_s + time.perf_counter() - started)
 
     def _first_apply_step(self):
         """The step the first plan goes into use: PLAN_LAG steps after it was due, even
