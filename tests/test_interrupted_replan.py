@@ -81,3 +81,51 @@ def test_a_re_plan_interrupted_on_one_rank_is_saved_as_on_the_others():
                         pg_timeout_s=20, saved=states, weights=results[0][1])
     assert resumed[0] == resumed[1]
     assert resumed[0][0] == states[0]["step"] + 8
+
+
+class _Terminated(Exception):
+    pass
+
+
+def handler_worker(rank, world_size):
+    """A SIGTERM handler that saves and stops, landing inside the periodic re-plan on
+    rank 0 (its save cannot make the re-plan it interrupted) and after it on rank 1."""
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, **OPTIONS)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    replan, saved = state._replan, {}
+
+    def handler():
+        saved["state"] = state.state_dict()
+        raise _Terminated
+
+    def interrupted(layout, reason="first", built=None):
+        if reason == "periodic":
+            if rank == 0:
+                handler()
+            replan(layout, reason, built)
+            handler()
+        return replan(layout, reason, built)
+
+    state._replan = interrupted
+    try:
+        _train(ddp, opt, torch.Generator().manual_seed(rank), 40)
+    except _Terminated:
+        pass
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state.close()
+    return saved["state"], weights
+
+
+@pytest.mark.timeout(120)
+def test_states_saved_inside_and_after_a_re_plan_are_refused_at_resume_not_hung():
+    results = run_ranks("test_interrupted_replan", "handler_worker", world_size=2, timeout=60)
+    states = [saved for saved, _ in results]
+    assert states[0]["step"] == states[1]["step"]
+    assert (states[0]["plan_job"] is None) != (states[1]["plan_job"] is None)
+    resumed = run_ranks("test_interrupted_replan", "resume_worker", world_size=2, timeout=60,
+                        pg_timeout_s=30, allow_failure=True, saved=states,
+                        weights=results[0][1])
+    for outcome in resumed:
+        assert "ranks are configured differently: plan_job" in outcome["error"]

@@ -1383,6 +1383,11 @@ class OMGSState:
             "select": self.select,
             "pinned_plan": repr(self._pinned_digest()),
             "trial": repr(self._trial.state_dict()["rounds"] if self._trial is not None else None),
+            # a resumed run whose ranks saved at different points of a re-plan (a signal
+            # handler's save inside one) otherwise hung at the job's switch, where only
+            # the ranks holding it issue the readiness all-gather
+            "plan_job": repr((self._plan_job["reason"], int(self._plan_job["apply_at_step"]))
+                             if self._plan_job is not None else None),
             "parameters": self._parameters_fingerprint(),
         }
         return fields
