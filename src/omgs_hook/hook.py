@@ -1498,13 +1498,16 @@ class OMGSState:
                     self._flush(exchange)
             self.meter.sends_finished()
             if last:
+                # before the commit (in finish_issuing): a signal handler's state_dict()
+                # between the commit and the step count saved the step's residuals as the
+                # last step's, with no record of those before it to rewind to
+                self._note_step_params()
                 exchange.drain()
                 # (with every deferred write-back, waiting for their collectives: DDP
                 # waits for the bucket futures right after this call anyway; the wait is
                 # the network's time, not the hook's)
                 exchange.finish_issuing()
                 entered += exchange.waited_s
-                self._note_step_params()
                 self._end_step(exchange)
                 self._issue_ready_probe()
             exchange.hook_s += time.perf_counter() - entered
