@@ -1996,7 +1996,14 @@ class OMGSState:
                 type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             self._totals["replans_dropped"] += 1
             return
-        self._replan(layout, reason, self._instance_from_rows(layout, self._rows_of(out), meta))
+        try:
+            self._replan(layout, reason,
+                         self._instance_from_rows(layout, self._rows_of(out), meta))
+        except Exception:
+            # a failed re-plan (ranks that disagree, a planner error) raises once, as
+            # before; only an interruption (KeyboardInterrupt, SystemExit) keeps it pending
+            self._pending_replan = None
+            raise
         self._pending_replan = None
         # the re-plan's whole time on this thread: its start at the end of the step too
         self._note_stall(started_s + time.perf_counter() - started)
