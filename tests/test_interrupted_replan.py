@@ -28,24 +28,32 @@ def _train(ddp, opt, gen, steps):
         opt.step()
 
 
+def _interrupt_first_periodic_replan(state, rank, interrupt):
+    """Make ``interrupt()`` (which raises) land in the first periodic re-plan: on rank 0
+    before the re-plan is made, on rank 1 right after it."""
+    replan = state._replan
+
+    def interrupted(layout, reason="first", built=None):
+        if reason == "periodic":
+            if rank == 0:
+                interrupt()
+            replan(layout, reason, built)
+            interrupt()
+        return replan(layout, reason, built)
+
+    state._replan = interrupted
+
+
+def _raise_keyboard_interrupt():
+    raise KeyboardInterrupt
+
+
 def worker(rank, world_size):
     model = _model()
     ddp = DDP(model, bucket_cap_mb=0)
     state = omgs_hook.register(ddp, **OPTIONS)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    replan = state._replan
-
-    def interrupted(layout, reason="first", built=None):
-        # the first periodic re-plan: the signal lands on rank 0 before the re-plan is
-        # made, on rank 1 right after it
-        if reason == "periodic":
-            if rank == 0:
-                raise KeyboardInterrupt
-            replan(layout, reason, built)
-            raise KeyboardInterrupt
-        return replan(layout, reason, built)
-
-    state._replan = interrupted
+    _interrupt_first_periodic_replan(state, rank, _raise_keyboard_interrupt)
     try:
         _train(ddp, opt, torch.Generator().manual_seed(rank), 40)
     except KeyboardInterrupt:
@@ -94,21 +102,13 @@ def handler_worker(rank, world_size):
     ddp = DDP(model, bucket_cap_mb=0)
     state = omgs_hook.register(ddp, **OPTIONS)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    replan, saved = state._replan, {}
+    saved = {}
 
     def handler():
         saved["state"] = state.state_dict()
         raise _Terminated
 
-    def interrupted(layout, reason="first", built=None):
-        if reason == "periodic":
-            if rank == 0:
-                handler()
-            replan(layout, reason, built)
-            handler()
-        return replan(layout, reason, built)
-
-    state._replan = interrupted
+    _interrupt_first_periodic_replan(state, rank, handler)
     try:
         _train(ddp, opt, torch.Generator().manual_seed(rank), 40)
     except _Terminated:
