@@ -39,7 +39,7 @@ Sections (each is independent: a failure is recorded and the next section runs):
                host-device synchronisations per ``backward()`` (CUDA's sync debug mode:
                count and source lines, the hook's and plain DDP's), recorded, no
                verdict; ``register(ddp, density=0.01)`` with every other option at its
-               default for 120 steps (the trial must finish, the gradients stay
+               default for 190 steps (the trial must finish, the gradients stay
                finite); the AMP check of ``hook``.
 ``profile``    ``omgs-profile`` on CUDA tensors (2 ranks, gloo), with a small time budget;
                the written profile must load.
@@ -618,6 +618,11 @@ def _count_syncs(model, ddp, device, steps):
     return {"probe_seen": probe_seen, "per_step": per_step, "where": where.most_common(12)}
 
 
+#: the defaults' run: the warm-up and the first plan (about 10 steps), the first trial at
+#: its longest (its lead, every round and the side-by-side duel: 152 steps), and 20 more
+MEASURED_STEPS = 190
+
+
 def _measured_run(device, steps):
     """``register(ddp, density=0.01)`` with every other option at its default: dense
     warm-up, the model plan and the measured-selection trial (its gathers, the planner's
@@ -683,7 +688,7 @@ def _nccl_worker(rank, world_size, port, device_name, backend, quick, out_dir):
         del model, ddp
         gc.collect()
         # 3. the defaults: the trial and its collectives on the backend
-        result["measured"] = _measured_run(device, 120)
+        result["measured"] = _measured_run(device, MEASURED_STEPS)
         gc.collect()
         # 4. the non-finite path (its flag travels in the payload) under AMP
         result["amp"] = _amp_check(device, rank)

@@ -103,13 +103,18 @@ def build(rank, fake_clock=True, fake_inputs=False, **options):
     return model, ddp, state, opt
 
 
-def selection_worker(rank, world_size, steps, **options):
+def selection_worker(rank, world_size, steps, duel_pairs=None, clock=None, **options):
+    if duel_pairs is not None:
+        plan_selection.DUEL_PAIRS = duel_pairs  # (the Trial's default, read at its creation)
     model, ddp, state, opt = build(rank, **options)
+    if clock is not None:
+        state._clock = globals()[clock](state, rank)
     train_steps(ddp, opt, 0, steps, rank)
     stats = state.stats()
+    summary = state.summary_line()
     del ddp, state
     gc.collect()
-    return {"stats": stats}
+    return {"stats": stats, "summary": summary}
 
 
 def expected_winner(report, world_size):
@@ -131,8 +136,8 @@ def expected_winner(report, world_size):
 def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
     # the model's inputs are fixed too (fake_planning_inputs): the refit check at the end
     # compares its predictions with the model's, which must not come from the host's load
-    results = run_ranks("test_hook_selection", "selection_worker", world_size=2, steps=62,
-                        fake_inputs=True)
+    results = run_ranks("test_hook_selection", "selection_worker", world_size=2, steps=84,
+                        fake_inputs=True, duel_pairs=4)
     stats = [r["stats"] for r in results]
     report = stats[0]["selection"]["last_trial"]
     assert report is not None and stats[0]["selection"]["trial"] is None
@@ -165,6 +170,13 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
     # the second pass runs them back in reverse order
     assert [h["strategy"] for h in trial_entries][len(names):2 * len(names) - 1] == names[-2::-1]
     assert history[-1]["reason"] == "trial winner" and history[-1]["strategy"] == winner
+    # the winner and the runner-up of the last round ran side by side (W R, R W, ...);
+    # the fake clock's winner stays the faster
+    duel = report["duel"]
+    assert duel["winner"] == winner and duel["pairs"] == 4 and duel["switched"] is False
+    assert duel["rival"] in names and duel["rival"] != winner and duel["median_ratio"] > 1.0
+    # W R, R W, W R, R W: a plan change is noted where the plan changes
+    assert [h["strategy"] for h in trial_entries[-4:]] == [duel["rival"], winner] * 2
     assert stats[0]["total"]["trials"] == 1 and stats[0]["total"]["replans"] == 1
     assert stats[0]["step_s"] is not None
     # the model is refitted from the trial, identically on every rank; the refit predicts
@@ -186,6 +198,43 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
     before = sum(abs(c["measured_s"] - c["predicted_s"]) for c in others)
     after = sum(abs(c["measured_s"] - c["refit_s"]) for c in others)
     assert after < before, (after, before)
+
+
+class MisleadingPhaseClock(FakeClock):
+    """FakeClock where the plan that is fastest on the fake costs runs 1.2x slow on every
+    rank during the trial's rounds before the duel - a phase of the host over its turns
+    that the forward does not show - and at its own speed in the duel and after."""
+
+    def __call__(self):
+        trial, plan = self.state._trial, self.state.plan
+        cost = fake_cost(self.rank, plan)
+        if trial is not None and plan is not None and trial.round_kinds[-1] != "duel":
+            best, _ = expected_winner(trial.report(), 2)
+            if plan.strategy == best:
+                cost *= 1.2
+        self.now += self.rate * cost
+        return self.now
+
+
+@pytest.mark.timeout(180)
+def test_the_duel_corrects_a_trial_misled_by_a_phase_over_the_best_plans_turns():
+    results = run_ranks("test_hook_selection", "selection_worker", world_size=2, steps=100,
+                        fake_inputs=True, duel_pairs=4, clock="MisleadingPhaseClock")
+    stats = [r["stats"] for r in results]
+    report = stats[0]["selection"]["last_trial"]
+    assert report is not None and report == stats[1]["selection"]["last_trial"]
+    best, slowest = expected_winner(report, 2)
+    names = [c["name"] for c in report["candidates"]]
+    measured = {c["name"]: c["measured_s"] for c in report["candidates"]}
+    # the rounds before read the best plan 1.2x slow and put another ahead of it ...
+    assert measured[best] == pytest.approx(1.2 * slowest[names.index(best)], rel=1e-6)
+    duel = report["duel"]
+    assert duel["winner"] != best and duel["rival"] == best, (duel, measured)
+    # ... side by side it is faster, it takes over, identically on both ranks
+    assert duel["switched"] is True and duel["median_ratio"] < 1.0
+    assert report["winner"] == best == stats[0]["plan"]["strategy"] == stats[1]["plan"]["strategy"]
+    assert stats[0]["plan_history"] == stats[1]["plan_history"]
+    assert "side by side" in results[0]["summary"]
 
 
 class SpellClock(FakeClock):
@@ -218,6 +267,7 @@ def spell_worker(rank, world_size, steps, spell_factor, adjust_pace=True):
     from omgs_hook import plan_selection
     plan_selection.SPELL_FACTOR = spell_factor  # (the Trial's defaults, read at its creation)
     plan_selection.ADJUST_PACE = adjust_pace
+    plan_selection.DUEL_PAIRS = 0  # (the rounds' retake is tested)
     model, ddp, state, opt = build(rank)
     clock = state._clock = SpellClock(state, rank)
     state._load_probe = clock.probe
@@ -301,6 +351,7 @@ class PhaseClock(FakeClock):
 
 def phase_worker(rank, world_size, steps, adjust_pace):
     plan_selection.ADJUST_PACE = adjust_pace
+    plan_selection.DUEL_PAIRS = 0  # (the rounds' pace is tested; the phase lasts the trial)
     model, ddp, state, opt = build(rank)
     clock = state._clock = PhaseClock(state, rank)
     state._load_probe = clock.probe
@@ -384,19 +435,26 @@ def test_gradients_after_plan_switches_equal_the_reference():
     assert history == results[1]["stats"]["plan_history"]
 
 
-def resume_in_trial_worker(rank, world_size, ckpt_dir, total):
-    model, ddp, state, opt = build(rank)
-    # checkpoint 3 steps into the trial's screen (after its lead): when it starts and how long it runs depend on
+def resume_in_trial_worker(rank, world_size, ckpt_dir, total, into_duel=False):
+    plan_selection.DUEL_PAIRS = 4  # (read when the trial starts, and by the resumed one)
+    # (fixed model inputs for the duel: a candidate set with a runner-up within 30%)
+    model, ddp, state, opt = build(rank, fake_inputs=into_duel)
+    # checkpoint 3 steps into the trial's screen (after its lead), or 3 steps into its
+    # duel: when it starts and how long it runs depend on
     # how many candidates survive the model's pruning (really measured backward times);
     # the trial state is gathered, so every rank stops at the same step
     first = 0
     while state._trial is None and first < total - 2:
         train_steps(ddp, opt, first, first + 1, rank)
         first += 1
-    into = plan_selection.FIRST_TRIAL_LEAD_STEPS + 3
+    while into_duel and state._trial is not None and state._trial.round_kinds[-1] != "duel":
+        train_steps(ddp, opt, first, first + 1, rank)
+        first += 1
+    into = 3 if into_duel else plan_selection.FIRST_TRIAL_LEAD_STEPS + 3
     train_steps(ddp, opt, first, first + into, rank)
     first += into
     in_trial = state.stats()["selection"]["trial"] is not None
+    in_duel = in_trial and state._trial.round_kinds[-1] == "duel"
     path = os.path.join(ckpt_dir, f"rank{rank}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
     train_steps(ddp, opt, first, total, rank)
@@ -405,7 +463,8 @@ def resume_in_trial_worker(rank, world_size, ckpt_dir, total):
     del ddp, state, model, opt
     gc.collect()
 
-    model, ddp, state, opt = build(rank)
+    # (fixed model inputs for the duel: a candidate set with a runner-up within 30%)
+    model, ddp, state, opt = build(rank, fake_inputs=into_duel)
     ckpt = torch.load(path, weights_only=True)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
@@ -416,7 +475,7 @@ def resume_in_trial_worker(rank, world_size, ckpt_dir, total):
     stats_b = state.stats()
     del ddp, state
     gc.collect()
-    return {"in_trial": in_trial, "resumed_in_trial": resumed_in_trial,
+    return {"in_trial": in_trial, "in_duel": in_duel, "resumed_in_trial": resumed_in_trial,
             "identical": all(torch.equal(uninterrupted[n], resumed[n]) for n in uninterrupted),
             "winner": (stats_a["selection"]["last_trial"]["winner"],
                        stats_b["selection"]["last_trial"]["winner"]),
@@ -425,12 +484,13 @@ def resume_in_trial_worker(rank, world_size, ckpt_dir, total):
 
 
 @pytest.mark.timeout(180)
-def test_checkpoint_and_resume_during_a_trial_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("into_duel", [False, True])
+def test_checkpoint_and_resume_during_a_trial_is_bit_exact(tmp_path, into_duel):
     results = run_ranks("test_hook_selection", "resume_in_trial_worker", world_size=2,
-                        ckpt_dir=str(tmp_path), total=66)
-    assert results[0]["first"] == results[1]["first"] < 50
+                        ckpt_dir=str(tmp_path), total=100, into_duel=into_duel)
+    assert results[0]["first"] == results[1]["first"] < 80
     for r in results:
-        assert r["in_trial"] and r["resumed_in_trial"], r
+        assert r["in_trial"] and r["resumed_in_trial"] and r["in_duel"] == into_duel, r
         assert r["winner"][0] == r["winner"][1] and r["winner"][0] != "optimal", r["winner"]
         assert r["history"][0] == r["history"][1]
         assert r["residual"][0] == r["residual"][1] > 0
@@ -987,8 +1047,9 @@ def workload_worker(rank, world_size, grow_at, steps, slow_until=0):
     """A fake clock and fixed model inputs whose compute grows 3x from step ``grow_at``
     (None: never), and reads 3x before step ``slow_until`` (the dense warm-up's backward,
     slowed by the all-reduce on the same cores); re-plans every 20 steps with the
-    later-trial budget lifted."""
+    later-trial budget lifted, and no duel (the full set's rounds are what is tested)."""
     plan_selection.RETRIAL_SHARE = 1.0  # (this rank's process only)
+    plan_selection.DUEL_PAIRS = 0
     model, ddp, state, opt = build(rank, replan_every=20)
 
     def scale(step):

@@ -172,6 +172,7 @@ def check_worker(rank, world_size, steps, **options):
     # another candidate's trial steps, would put a trial plan in use at the end; that
     # second trial is tested with fake clocks in test_regret_trial)
     plan_selection.REGRET_TRIAL = False
+    plan_selection.DUEL_PAIRS = 0  # (the check after the trial is tested: a short trial)
     torch.manual_seed(0)
     model = Net()
     steady_forward(model)
@@ -223,6 +224,9 @@ def test_a_plan_is_checked_against_its_own_steps_identically_on_every_rank(selec
 
 def spell_check_worker(rank, world_size, steps, spell):
     import time
+
+    from omgs_hook import plan_selection
+    plan_selection.DUEL_PAIRS = 0  # (the check after the trial is tested: a short trial)
 
     torch.manual_seed(0)
     model = Net()
@@ -403,6 +407,9 @@ def test_the_level_takes_back_what_the_term_adds_to_the_reference_plans_timeline
 
 def settled_check_worker(rank, world_size, steps, sleep_s):
     import time
+
+    from omgs_hook import plan_selection
+    plan_selection.DUEL_PAIRS = 0  # (the check after the trial is tested: a short trial)
 
     torch.manual_seed(0)
     model = Net()

@@ -78,7 +78,7 @@ def test_a_moved_workload_trials_the_full_set_again_with_the_kept_plan():
     assert {c.key for c in full[:plan_selection.MAX_CANDIDATES - 1]} <= {
         c.key for c in result["candidates"]}
     # a short trial budget trims the set from its end, the kept plan (second) stays
-    room = plan_selection.trial_steps_bound(2)
+    room = plan_selection.trial_steps_bound(2, duel_pairs=0)  # (later trials: no duel)
     short = compute_plan(dict(job, retrial_room=room), "optimal", "measured")
     assert [c.name for c in short["candidates"]] == names[:2]
     # beyond the budget (retrial_ok False) nothing runs: the winner stays

@@ -21,6 +21,13 @@ from omgs_hook.plan_selection import (
 )
 
 
+@pytest.fixture(autouse=True)
+def no_duel_unless_asked(monkeypatch):
+    """The tests of the rounds before the duel see the trial end where those rounds
+    decide; the duel's own tests pass ``duel_pairs``."""
+    monkeypatch.setattr(plan_selection, "DUEL_PAIRS", 0)
+
+
 def instance(dense=True, units=6, slow_network=False):
     layers = tuple(Unit(numel=1000 * (i + 1) ** 2, backward_s=0.001 * (1 + i % 3))
                    for i in range(units))
@@ -439,6 +446,25 @@ def test_trial_budget_bound():
         assert trial.retakes_used <= MAX_RETAKES
         assert ran <= trial.max_steps() == trial_steps_bound(n)
     assert retaken > 50  # the retake paths were taken
+
+
+def test_a_trial_with_its_duel_stays_within_its_bound():
+    rng = random.Random(6)
+    dueled = 0
+    for _ in range(200):
+        n = rng.randint(1, MAX_CANDIDATES)
+        trial = Trial([cand(str(i), [[0]] * (i + 1)) for i in range(n)], 0, duel_pairs=5)
+        spells = {s for s in range(100) if rng.random() < 0.3}
+        step = 0
+        while not trial.done:
+            times = [[rng.choice([1.0, 1.01, 1.1, 1.5]) for _ in range(n)]]
+            step, rows = run_round(trial, times, first_step=step,
+                                   probe=lambda r, s: 2.0 if s in spells else 1.0)
+            trial.finish_round(rows, step)
+        dueled += trial.round_kinds[-1] == "duel"
+        assert step <= trial.max_steps() == trial_steps_bound(n, duel_pairs=5)
+        assert sum(trial.steps_run()) == step
+    assert dueled > 50  # the duel ran
 
 
 def test_bad_trial_arguments():
@@ -949,6 +975,130 @@ def test_state_dict_round_trip_mid_trial_continues_identically():
             break
     assert reference.done and reference.round_kinds[-1] == "tiebreak"
     assert reference.rounds[-1] == [0, 1, 1, 0]
+
+
+# ------------------------------------------------------------------------------ the duel
+def run_duel(trial, reading, step, ranks=1):
+    """Drive the duel round: ``reading(candidate, step)`` -> seconds (every rank)."""
+    assert trial.round_kinds[-1] == "duel"
+    start = trial.round_start
+    while not trial.round_complete(step):
+        step += 1
+    rows = []
+    for _ in range(ranks):
+        trial.local, trial.local_probe, trial.local_forward = (
+            trial._empty_local(), trial._empty_local(), trial._empty_local())
+        for s in range(start, step):
+            trial.record(s, reading(trial.candidate_at(s), s))
+        rows.append(trial.local_row())
+    return trial.finish_round(rows, step), step
+
+
+def test_the_duel_alternates_the_two_leaders_and_the_faster_side_by_side_wins():
+    trial = Trial(three(), 0, duel_pairs=6)
+    # the rounds before: "model" ahead of "sparse" by 2% ("dense" beyond the windows)
+    winner, step = decide_or_duel(trial, [[1.0, 1.02, 1.5]])
+    assert winner is None and trial.round_kinds[-1] == "duel"
+    assert trial.rounds[-1] == [0, 1, 1, 0] * 3  # W R, R W, ...
+    assert trial.round_end == step + 12 * (SETTLE_STEPS + plan_selection.DUEL_STEPS)
+    # side by side, under a host that runs in phases of 10 steps 30% apart: "sparse"
+    # is 3% faster; each pair's two turns share their phase
+    def reading(index, s):
+        phase = 1.3 if (s // 10) % 2 else 1.0
+        return phase * (1.0 if index == 1 else 1.03)
+    winner, end = run_duel(trial, reading, step)
+    assert winner == 1 and trial.done and trial.decided_at == end
+    duel = trial.report()["duel"]
+    assert duel["winner"] == "model" and duel["rival"] == "sparse" and duel["switched"]
+    assert duel["pairs"] == 6 and duel["median_ratio"] == pytest.approx(1 / 1.03)
+    assert trial.report()["winner"] == "sparse"
+    # the duel decides between its two alone: the rounds before are the reported times
+    assert trial.measured_s(0) == pytest.approx(1.0) and trial.measured_s(1) == pytest.approx(1.02)
+    assert "side by side, sparse over model: 0.971 (median of 6 pairs), sparse kept" in trial.summary()
+    assert sum(trial.steps_run()) == end
+
+
+def decide_or_duel(trial, step_times):
+    """Run rounds until the trial decides or its duel starts: (winner or None, step)."""
+    step = None
+    while True:
+        step, rows = run_round(trial, step_times, first_step=step)
+        winner = trial.finish_round(rows, step)
+        if winner is not None or trial.round_kinds[-1] == "duel":
+            return winner, step
+
+
+def test_the_duel_keeps_the_winner_that_stays_faster():
+    trial = Trial(three(), 0, duel_pairs=4)
+    _, step = decide_or_duel(trial, [[1.0, 1.02, 1.5]])
+    # one pair reads the other way (a spell over the winner's turn): the median holds
+    winner, _ = run_duel(trial, lambda i, s: (1.0 if i == 0 else 1.01) * (2 if s == step + 1 else 1), step)
+    assert winner == 0 and trial.report()["duel"]["switched"] is False
+    assert trial.report()["duel"]["median_ratio"] == pytest.approx(1.01)
+
+
+def test_no_duel_without_a_runner_up_in_the_window_or_with_none_asked_for(monkeypatch):
+    # "sparse" 40% behind: beyond the confirm window, the screen decides alone
+    trial = Trial(three(), 0, duel_pairs=4)
+    winner, _ = decide_or_duel(trial, [[1.0, 1.4, 1.5]])
+    assert winner == 0 and trial.duel is None and trial.report()["duel"] is None
+    trial = Trial(three(), 0, duel_pairs=0)
+    winner, _ = decide_or_duel(trial, [[1.0, 1.02, 1.5]])
+    assert winner == 0 and "duel" not in trial.round_kinds
+    one = Trial(three()[:1], 0, duel_pairs=4)
+    assert decide_or_duel(one, [[1.0]])[0] == 0 and one.duel is None
+    # the module's value is the default; later trials run none
+    monkeypatch.setattr(plan_selection, "DUEL_PAIRS", 7)
+    assert Trial(three(), 0).duel_pairs == 7
+    assert plan_selection.duel_pairs_for("first") == plan_selection.duel_pairs_for("layout") == 7
+    assert plan_selection.duel_pairs_for("periodic") == plan_selection.duel_pairs_for("regret") == 0
+
+
+def test_a_duel_without_a_known_pair_leaves_the_rounds_before_deciding():
+    trial = Trial(three(), 0, duel_pairs=3)
+    _, step = decide_or_duel(trial, [[1.0, 1.02, 1.5]])
+    winner, _ = run_duel(trial, lambda i, s: math.nan, step)
+    assert winner == 0 and trial.report()["duel"]["pairs"] == 0
+
+
+def test_bad_duel_arguments_name_the_option():
+    for kwargs, name in (({"duel_pairs": -1}, "duel_pairs"), ({"duel_pairs": 1.5}, "duel_pairs"),
+                         ({"duel_steps": 0}, "duel_steps")):
+        with pytest.raises(ValueError, match=name):
+            Trial(three(), 0, **kwargs)
+
+
+def test_state_dict_round_trip_mid_duel_continues_identically():
+    reference = Trial(three(), 0, duel_pairs=4)
+    _, step = decide_or_duel(reference, [[1.0, 1.02, 1.5]])
+    # the duel's first turns recorded, then saved and restored
+    for s in range(step, step + 3):
+        reference.record(s, 1.0 if reference.candidate_at(s) == 1 else 1.05)
+    restored = Trial.from_state_dict(reference.state_dict())
+    assert restored.state_dict() == reference.state_dict()
+    outcomes = []
+    for trial in (reference, restored):
+        for s in range(step + 3, trial.round_end):
+            trial.record(s, 1.0 if trial.candidate_at(s) == 1 else 1.05)
+        outcomes.append((trial.finish_round([trial.local_row()], trial.round_end), trial.report()))
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] == 1
+    # a state saved before the duel existed ends without one
+    old = reference.state_dict()
+    for key in ("duel_pairs", "duel_steps", "duel"):
+        old.pop(key)
+    assert Trial.from_state_dict(old).duel_pairs == 0
+
+
+def test_the_regret_check_leaves_out_the_duels_loser():
+    trial = Trial(three(), 0, duel_pairs=4)
+    _, step = decide_or_duel(trial, [[1.0, 1.02, 1.5]])
+    run_duel(trial, lambda i, s: 1.0 if i == 1 else 1.03, step)
+    report = trial.report()
+    # the winner ("sparse") runs at 1.2 once settled: "model" (1.0 in the trial) lost
+    # the duel to it side by side, "dense" (1.5) is slower
+    assert plan_selection.regret_rival(report, 1.2) is None
+    without = dict(report, duel=None)
+    assert plan_selection.regret_rival(without, 1.2)["name"] == "model"
 
 
 def test_the_trial_reports_its_steps_and_what_they_cost_against_the_winner():

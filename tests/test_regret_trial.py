@@ -82,6 +82,10 @@ def regret_worker(rank, world_size, slow_after_trial, steps, ckpt_dir=None,
     then resume from it and run again."""
     from test_hook_selection import build
     from test_hook_ddp import _train_planner_settled
+    from omgs_hook import plan_selection
+    # the regret trial is tested: the first trial without its duel (whose loser the
+    # regret check leaves out; tests/test_plan_selection.py)
+    plan_selection.DUEL_PAIRS = 0
 
     def save_due(state, step):
         winners = [h["step"] for h in state._plan_history if h["reason"] == "trial winner"]

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.multiprocess
 # residual-growth check pass or fail by timing. This launcher runs soak.py with
 # allow_dense=False, so every group of every step keeps a residual. soak.py's ranks are
 # spawned: each re-runs this file as its main module, so the patch holds there too.
+# It also leaves out the first trial's side-by-side duel (80 steps), so that the short
+# run's 160 steps hold periodic re-plans after the trial; the full soak runs it.
 SPARSE_LAUNCHER = f"""
 import sys
 sys.path.append({str(SCRIPTS)!r})  # behind the standard library (scripts/profile.py)
@@ -31,6 +33,7 @@ def register(ddp_model, **options):
 
 
 omgs_hook.register = register
+omgs_hook.plan_selection.DUEL_PAIRS = 0
 import soak  # noqa: E402
 
 if __name__ == "__main__":
@@ -59,8 +62,9 @@ def test_short_soak_keeps_memory_flat_and_residual_bounded(tmp_path):
     # the bound 72: a run whose trial took 60-odd steps failed with 4 re-plans.)
     from omgs_hook import plan_selection
     trials = (plan_selection.trial_steps_bound(plan_selection.MAX_CANDIDATES,
-                                               lead=plan_selection.FIRST_TRIAL_LEAD_STEPS)
-              + plan_selection.trial_steps_bound(2))
+                                               lead=plan_selection.FIRST_TRIAL_LEAD_STEPS,
+                                               duel_pairs=0)
+              + plan_selection.trial_steps_bound(2, duel_pairs=0))
     least = 1 + (160 - 5 - trials) // 20 - 1
     assert least >= 2  # at least one periodic re-plan after the trials
     for samples in report["per_rank"]:

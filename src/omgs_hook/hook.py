@@ -551,16 +551,23 @@ class OMGSState:
             slowed (on some rank the forward pass after it took over 1.3x that rank's median
             forward of the trial: on CPU; on CUDA no step is judged) is left out of its
             candidate's median; a candidate whose every sample in a round was slowed runs
-            its turn again right after (at most 2 such retakes per trial). A full trial (the
+            its turn again right after (at most 2 such retakes per trial). Then the
+            winner and the runner-up (when within 30% of it) run side by side, 20 pairs of
+            turns of 1 settle and 1 counted step (``W R, R W, ...``), and the runner-up
+            takes over when the median of its readings over the winner's in the pairs is
+            below 1: adjacent steps share the host's slow and fast phases, which the
+            rounds before cannot average out. A full trial (the
             first plan, a bucket-layout change) has at most 7 candidates: at most
-            ``7 * 2 * 2 + (3 + 2) * 4 + 3 * 2 * 3 = 66`` steps, 6.6% of a 1000-step run (58
-            without load spells), after the first trial's 6 lead steps; as the rounds narrow to
-            plans within a few % of each other, most of those steps run at about the
-            winner's pace (``stats()["selection"]`` reports each trial's ``excess_steps``:
-            its cost in steps of the winner). A later trial (a periodic re-plan whose model
+            ``7 * 2 * 2 + (3 + 2) * 4 + 3 * 2 * 3 + 2 * 20 * 2 = 146`` steps (58
+            without load spells and without the side-by-side pairs), after the first
+            trial's 6 lead steps; as the rounds narrow to plans within a few % of each
+            other, most of those steps run at about the winner's pace
+            (``stats()["selection"]`` reports each trial's ``excess_steps``: its cost in
+            steps of the winner, 1-3 steps of a 146-step trial where the last two are a
+            few % apart). A later trial (a periodic re-plan whose model
             plan differs from the one the last trial started from, e.g. after an online
-            refit) compares the kept plan with the new model plan only (at most 36 steps)
-            and starts only while all later trials together stay within 3% of the steps run;
+            refit) compares the kept plan with the new model plan only (at most 36 steps,
+            no side-by-side pairs) and starts only while all later trials together stay within 3% of the steps run;
             otherwise the kept plan stays. (With ``topology="auto"`` resolved two-level it
             starts when the two-level or the flat model's plan changed, and also holds the
             flat model's plan ``flat:<strategy>`` when that differs from the kept plan and
@@ -568,7 +575,7 @@ class OMGSState:
             ordinary training steps (error feedback is per parameter, so switching plans
             between steps changes no result); what a trial costs is the slower candidates'
             extra time over those steps. One small all-gather per measuring round (at most
-            three per trial), from the hook. The trial's measurements also refit the model
+            three per trial, and one for the side-by-side pairs), from the hook. The trial's measurements also refit the model
             (a constant, seconds per element sent dense, seconds per sparse group:
             ``stats()["cost_correction"]``) for the later re-plans. Once settled (20
             steps after it went into use) the winner's step time is compared with the
@@ -2191,7 +2198,8 @@ class OMGSState:
         logger.info("omgs_hook: step %d the trial's winner %s runs %.1f ms per step, "
                     "%s measured %.1f ms in the trial: trying the two again", self.step,
                     winner["name"], settled_s * 1e3, rival["name"], rival["measured_s"] * 1e3)
-        self._start_trial_from(plan_selection.Trial(pair, self.step, reason="regret"))
+        self._start_trial_from(plan_selection.Trial(
+            pair, self.step, reason="regret", duel_pairs=plan_selection.duel_pairs_for("regret")))
 
     def _refit_from_trial(self, trial):
         """The finished trial's report, with the model's correction fitted from it (the
@@ -2573,7 +2581,7 @@ class OMGSState:
         workload_s = plan_selection.compute_s(self._base_instance[1])
         if periodic and self._trial_workload_s is None:
             self._trial_workload_s = workload_s  # the first periodic re-plan after a trial
-        longest = plan_selection.trial_steps_bound(2)
+        longest = plan_selection.trial_steps_bound(2, duel_pairs=0)  # (later trials: no duel)
         job = {
             "instance": instance.to_dict(),
             "layout": [list(b) for b in layout],
@@ -2773,8 +2781,9 @@ class OMGSState:
             self._regret_checked = False
             self._trial_layout = layout
             lead = plan_selection.FIRST_TRIAL_LEAD_STEPS if job["reason"] == "first" else 0
-            self._start_trial_from(plan_selection.Trial(candidates, self.step, reason=job["reason"],
-                                                        lead=lead))
+            self._start_trial_from(plan_selection.Trial(
+                candidates, self.step, reason=job["reason"], lead=lead,
+                duel_pairs=plan_selection.duel_pairs_for(job["reason"])))
             self._awaiting_overhead = False  # the trial measures the sparse path itself
             logger.debug("omgs_hook: step %d trial of %s", self.step, [c.name for c in candidates])
             return

@@ -88,6 +88,24 @@ MAX_REMEASURE = 3
 #: held-out transformer on 4 shaped ranks: one dense group won its trial at 142 ms
 #: against 148 ms for ``single``, then ran 156-165 ms while TopK-SGD ran 123-128 ms
 REGRET_TRIAL = True
+#: after its decision the trial runs the winner and its runner-up (the best other member
+#: of the deciding round, when within ``confirm_window`` of the winner) side by side for
+#: ``DUEL_PAIRS`` pairs of turns of ``settle`` + ``DUEL_STEPS`` counted steps, in the
+#: order W R, R W, W R, ...; the runner-up takes over when the median over the pairs of
+#: its reading over the winner's is below 1. The trial's rounds are a few turns each
+#: and the host's phases last about ten steps, so a trial's readings of one plan share
+#: their error: on the held-out MLP-Mixer (4 shaped ranks) TopK-SGD's one group was the
+#: fastest plan by about 5% and the trial picked it in 5 of 12 runs. Pairs of adjacent
+#: steps share their phase, and 20 of them spread over 80 steps average it out: in the
+#: offline simulation (docs/results/extra/trial_sim/duel_steps.py) the mean regret of the
+#: choice fell from 2.56% to 1.10% (one group best by 5%), 0.89% to 0.86% (near-ties),
+#: 2.05% to 1.53% (three groups best by 12%), at a cost of 1-3 steps of the best plan
+DUEL_PAIRS = 20
+#: counted steps per turn of the duel (each after ``settle`` uncounted steps)
+DUEL_STEPS = 1
+#: the trials that run no duel: later ones (a periodic re-plan's, which share the
+#: ``RETRIAL_SHARE`` budget, and the regret trial, itself a side-by-side re-check)
+LATER_TRIALS = ("periodic", "regret")
 #: later trials (a periodic re-plan whose model plan changed) start only while all of
 #: them together stay within this share of the steps run so far
 RETRIAL_SHARE = 0.03
@@ -126,9 +144,11 @@ def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS
                       confirm=CONFIRM_STEPS, max_confirm=MAX_CONFIRM,
                       max_remeasure=MAX_REMEASURE, max_retakes=MAX_RETAKES,
                       screen_passes=SCREEN_PASSES, lead=0, tiebreak=TIEBREAK_STEPS,
-                      tiebreak_turns=TIEBREAK_TURNS):
-    """Most steps a trial of ``num_candidates`` can run (its lead, all three rounds, and
-    the retakes of disturbed candidates)."""
+                      tiebreak_turns=TIEBREAK_TURNS, duel_pairs=None, duel_steps=DUEL_STEPS):
+    """Most steps a trial of ``num_candidates`` can run (its lead, all three rounds, the
+    retakes of disturbed candidates and the duel; ``duel_pairs`` None: ``DUEL_PAIRS``)."""
+    if duel_pairs is None:  # (read now: a test may set the module's value)
+        duel_pairs = DUEL_PAIRS
     n = int(num_candidates)
     steps = n * (settle + measure)
     if n > 1:
@@ -140,7 +160,13 @@ def trial_steps_bound(num_candidates, settle=SETTLE_STEPS, measure=MEASURE_STEPS
                       * (settle + tiebreak))
         # (a single candidate wins whatever its samples read: never retaken)
         steps += int(max_retakes) * (settle + confirm)
+        steps += 2 * int(duel_pairs) * (settle + int(duel_steps))
     return steps + int(lead)
+
+
+def duel_pairs_for(reason) -> int:
+    """The duel's pairs in a trial started for ``reason``: none in later trials."""
+    return 0 if reason in LATER_TRIALS else DUEL_PAIRS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,7 +500,7 @@ def _relative_spread(values):
     return statistics.median(abs(v - centre) for v in values) / centre
 
 
-SCREEN, CONFIRM, TIEBREAK, RETAKE = "screen", "confirm", "tiebreak", "retake"
+SCREEN, CONFIRM, TIEBREAK, RETAKE, DUEL = "screen", "confirm", "tiebreak", "retake", "duel"
 
 
 def _require_int(name, value, minimum):
@@ -556,6 +582,18 @@ class Trial:
     Without probes (NaN: e.g. on CUDA, where the host clock would time launches) no
     step is disturbed and the trial is the plain three-round one.
 
+    *Duel.* Once the rounds above have a winner, it and its runner-up (the best other
+    member of the deciding round, if within ``confirm_window`` of it) alternate for
+    ``duel_pairs`` pairs of turns, ``settle`` + ``duel_steps`` steps each, in the order
+    W R, R W, W R, ... . Each pair gives the ratio of the runner-up's reading (the median
+    of its turn's counted steps, divided by their pace) to the winner's; the runner-up
+    wins when the median of these ratios is below 1. The two turns of a pair run within a
+    few steps of each other, where the host's phase is about the same, and the pairs
+    spread over the duel's length: the rounds before compare turns that lie further
+    apart and read one plan a few times only. The duel's readings decide between the two
+    alone (:meth:`measured_s` and the report's times are those of the rounds before);
+    ``duel_pairs=0`` leaves it out.
+
     *Pace.* Short of a spell, the host still runs faster and slower in phases (other
     ranks' threads on the same cores, the network's interrupts): on 2 shaped ranks on 2
     cores, 20-30% apart, each lasting about ten steps, so a candidate whose turns fell
@@ -582,7 +620,8 @@ class Trial:
                  spell_factor: Optional[float] = None, max_retakes: int = MAX_RETAKES,
                  screen_passes: int = SCREEN_PASSES, lead: int = 0,
                  tiebreak: int = TIEBREAK_STEPS, tiebreak_turns: int = TIEBREAK_TURNS,
-                 adjust_pace: Optional[bool] = None):
+                 adjust_pace: Optional[bool] = None, duel_pairs: Optional[int] = None,
+                 duel_steps: int = DUEL_STEPS):
         if len(candidates) < 1:
             raise ValueError("a trial needs at least one candidate")
         if settle < 0 or measure < 1 or confirm < 1 or tiebreak < 1:
@@ -597,6 +636,14 @@ class Trial:
             raise ValueError("spell_factor must be > 1 and max_retakes >= 0")
         _require_int("screen_passes", screen_passes, 1)
         _require_int("lead", lead, 0)
+        if duel_pairs is None:  # (read now, as SPELL_FACTOR)
+            duel_pairs = DUEL_PAIRS
+        _require_int("duel_pairs", duel_pairs, 0)
+        _require_int("duel_steps", duel_steps, 1)
+        self.duel_pairs = int(duel_pairs)
+        self.duel_steps = int(duel_steps)
+        # {"winner", "rival": candidate indices, "ratios": per pair} once the duel started
+        self.duel = None
         if adjust_pace is None:  # (read now, as SPELL_FACTOR)
             adjust_pace = ADJUST_PACE
         if not isinstance(adjust_pace, bool):
@@ -654,7 +701,7 @@ class Trial:
     def _counted_in(self, kind):
         """Counted steps per turn in a round of ``kind``."""
         return (self.measure if kind == SCREEN else self.tiebreak if kind == TIEBREAK
-                else self.confirm)
+                else self.duel_steps if kind == DUEL else self.confirm)
 
     @property
     def counted(self):
@@ -675,7 +722,8 @@ class Trial:
         return trial_steps_bound(len(self.candidates), self.settle, self.measure,
                                  self.confirm, self.max_confirm, self.max_remeasure,
                                  self.max_retakes, self.screen_passes, self.lead,
-                                 self.tiebreak, self.tiebreak_turns)
+                                 self.tiebreak, self.tiebreak_turns, self.duel_pairs,
+                                 self.duel_steps)
 
     def _slot(self, step):
         """(position in the current round, counted index or None) of ``step``, or None."""
@@ -722,8 +770,10 @@ class Trial:
     # -- decision ---------------------------------------------------------------------
     def _measured_rounds(self):
         """(kind, turns, samples) of every finished round but the retakes (whose samples
-        stand in for those of the round before them)."""
-        rounds = [(k, t) for k, t in zip(self.round_kinds, self.rounds) if k != RETAKE]
+        stand in for those of the round before them) and the duel (which decides between
+        its two alone)."""
+        rounds = [(k, t) for k, t in zip(self.round_kinds, self.rounds)
+                  if k not in (RETAKE, DUEL)]
         return [(k, t, samples) for (k, t), samples in zip(rounds, self.round_samples)]
 
     def measured_s(self, index) -> float:
@@ -820,8 +870,10 @@ class Trial:
         paces = self._paces_of_round(forward_rows)
         this_round, all_disturbed, quiet_bound = {}, [], {}
         gathered = {}  # candidate -> (raw, clean, bound) over all its turns of the round
+        turn_readings = []  # per turn: the median of its counted steps (for the duel)
         for position, index in enumerate(self.rounds[-1]):
             raw, clean, bound = gathered.setdefault(index, ([], [], []))
+            first = len(raw)
             for j in range(counted):
                 column = [r[position * counted + j] for r in rows]
                 known = [x for x in column if not math.isnan(x)]
@@ -836,6 +888,11 @@ class Trial:
                 clean.append(math.nan if disturbed else x)
                 if disturbed:  # as if the whole step had slowed with its forward
                     bound.append(slowest / loads[position * counted + j])
+            turn_readings.append(_median(raw[first:]))
+        if self.round_kinds[-1] == DUEL:
+            for index, (raw, _, _) in gathered.items():
+                self.samples[index].extend(raw)
+            return self._finish_duel(turn_readings, step)
         for index, (raw, clean, bound) in gathered.items():
             self.samples[index].extend(raw)
             if any(not math.isnan(x) for x in raw) and all(math.isnan(x) for x in clean):
@@ -889,9 +946,44 @@ class Trial:
                 if len(tied) > 1:
                     self._next_round(TIEBREAK, sorted(tied), step)
                     return None
+        rival = ranked[1] if len(ranked) > 1 else None
+        if (self.duel_pairs > 0 and rival is not None and math.isfinite(times[best])
+                and times[rival] <= times[best] * (1.0 + self.confirm_window)):
+            self.duel = {"winner": best, "rival": rival, "ratios": []}
+            turns = [i for p in range(self.duel_pairs)
+                     for i in ((best, rival) if p % 2 == 0 else (rival, best))]
+            self._next_round(DUEL, turns, step)
+            return None
         self.winner = best
         self.decided_at = int(step)
         return best
+
+    def _finish_duel(self, turn_readings, step):
+        """The duel's winner from its turns' readings (in the round's order)."""
+        winner, rival = self.duel["winner"], self.duel["rival"]
+        turns = self.rounds[-1]
+        ratios = []
+        for p in range(len(turns) // 2):
+            reading = {turns[2 * p]: turn_readings[2 * p], turns[2 * p + 1]: turn_readings[2 * p + 1]}
+            if all(0 < reading[i] < math.inf for i in (winner, rival)):
+                ratios.append(reading[rival] / reading[winner])
+        self.duel["ratios"] = ratios
+        # (no pair known - every sample missing: the rounds before decide)
+        self.winner = rival if ratios and statistics.median(ratios) < 1.0 else winner
+        self.decided_at = int(step)
+        return self.winner
+
+    def duel_report(self):
+        """The duel's two candidates, its pairs' median ratio (runner-up over winner of
+        the rounds before) and whether the runner-up took over; None without a duel."""
+        if self.duel is None:
+            return None
+        ratios = self.duel["ratios"]
+        return {"winner": self.candidates[self.duel["winner"]].name,
+                "rival": self.candidates[self.duel["rival"]].name,
+                "pairs": len(ratios), "planned_pairs": self.duel_pairs,
+                "median_ratio": statistics.median(ratios) if ratios else None,
+                "switched": self.done and self.winner == self.duel["rival"]}
 
     def _members(self, kind):
         members = [i for r, k in zip(self.rounds, self.round_kinds) if k == kind for i in r]
@@ -955,6 +1047,7 @@ class Trial:
                 "remeasured": [self.candidates[i].name for i in self._members(TIEBREAK)],
                 "retaken": [self.candidates[i].name for i in self._members(RETAKE)],
                 "noise": self.noise, "turn_noise": self.turn_noise(),
+                "duel": self.duel_report(),
                 "steps": sum(self.steps_run()), "excess_steps": self.excess_steps(),
                 "candidates": out}
 
@@ -977,6 +1070,10 @@ class Trial:
                 "max_remeasure": self.max_remeasure, "start_step": self.start_step,
                 "spell_factor": self.spell_factor, "max_retakes": self.max_retakes,
                 "screen_passes": self.screen_passes, "lead": self.lead,
+                "duel_pairs": self.duel_pairs, "duel_steps": self.duel_steps,
+                "duel": (None if self.duel is None else
+                         {"winner": self.duel["winner"], "rival": self.duel["rival"],
+                          "ratios": list(self.duel["ratios"])}),
                 "retakes_used": self.retakes_used, "disturbed": list(self.disturbed),
                 "probes": [list(p) for p in self.probes],
                 "local_probe": [list(r) for r in self.local_probe],
@@ -1016,7 +1113,14 @@ class Trial:
                     # a state saved before the two-pass screen ran one pass
                     screen_passes=int(sd.get("screen_passes", 1)), lead=int(sd.get("lead", 0)),
                     # a state saved before the pace: its trial goes on without it
-                    adjust_pace=bool(sd.get("adjust_pace", False)))
+                    adjust_pace=bool(sd.get("adjust_pace", False)),
+                    # a state saved before the duel: its trial ends without one
+                    duel_pairs=int(sd.get("duel_pairs", 0)),
+                    duel_steps=int(sd.get("duel_steps", DUEL_STEPS)))
+        duel = sd.get("duel")
+        trial.duel = (None if duel is None else
+                      {"winner": int(duel["winner"]), "rival": int(duel["rival"]),
+                       "ratios": [float(x) for x in duel["ratios"]]})
         trial.rounds = [[int(i) for i in r] for r in sd["rounds"]]
         trial.round_kinds = ([SCREEN] + [TIEBREAK] * (len(trial.rounds) - 1) if legacy
                              else [str(k) for k in sd["round_kinds"]])
@@ -1064,14 +1168,18 @@ def regret_rival(report, settled_s, near_tie: float = NEAR_TIE,
     The trial's times are read at the trial's pace, and they sat 4-9% above the same
     plan's steady steps on the shaped cluster (``NEAR_TIE``), so a winner that runs
     above another candidate's trial time by more than the margin lost to it by more
-    than the trial could resolve: the two are measured again, side by side."""
+    than the trial could resolve: the two are measured again, side by side. The loser
+    of the trial's duel is no rival: the two ran side by side already, for longer."""
     if not settled_s or not settled_s > 0 or report is None:
         return None
     candidates = report.get("candidates") or []
     if not any(c.get("winner") for c in candidates):
         return None
     margin = tie_margin(report.get("noise"), near_tie, noise_tie)
+    duel = report.get("duel") or {}
+    dueled = {duel.get("winner"), duel.get("rival")} if duel.get("pairs") else set()
     rivals = [c for c in candidates if not c.get("winner") and c.get("measured_s")
+              and c["name"] not in dueled
               and c["measured_s"] * (1.0 + margin) < settled_s]
     return min(rivals, key=lambda c: c["measured_s"]) if rivals else None
 
@@ -1088,6 +1196,11 @@ def summary_of(report):
     line = "trial (predicted/measured ms): " + ", ".join(parts)
     if report.get("retaken"):
         line += f"; retaken after a load spell: {', '.join(report['retaken'])}"
+    duel = report.get("duel")
+    if duel and duel.get("median_ratio") is not None:
+        kept = duel["rival"] if duel["switched"] else duel["winner"]
+        line += (f"; side by side, {duel['rival']} over {duel['winner']}: "
+                 f"{duel['median_ratio']:.3f} (median of {duel['pairs']} pairs), {kept} kept")
     return line
 
 

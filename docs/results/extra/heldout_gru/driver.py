@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--profile-budget", default="40")
     ap.add_argument("--variants", default="allreduce,default,sparse_model,topk,lags,topk_again")
     ap.add_argument("--nodes", type=int, default=4, help="ranks (one per namespace)")
+    ap.add_argument("--window-start", type=int, default=100,
+                    help="first timed step of the hook's variants (after the trial)")
     args = ap.parse_args()
     # (a run with other than 4 ranks tags its files with the rank count)
     nodes_tag = "" if args.nodes == 4 else f"n{args.nodes}_"
@@ -69,7 +71,8 @@ def main():
             order = variants if rnd % 2 == 0 else variants[::-1]
             for v in order:
                 real = "topk" if v == "topk_again" else v
-                steps, ws = (args.ar_steps, 20) if v == "allreduce" else (args.steps, 100)
+                steps, ws = ((args.ar_steps, 20) if v == "allreduce"
+                             else (args.steps, args.window_start))
                 argv = [PY, TRAIN, "--variant", real, "--density", str(args.density),
                         "--steps", str(steps), "--window-start", str(ws), "--bucket-cap-mb", args.cap,
                         "--tag", v]

@@ -135,6 +135,7 @@ def main():
                 "started_at_step": lt.get("started_at_step", lt.get("start_step")),
                 "ended_at_step": lt.get("ended_at_step", lt.get("end_step")),
                 "keys": sorted(lt.keys()),
+                "decided_at": lt.get("decided_at"), "duel": lt.get("duel"),
                 "candidates": [{k: c.get(k) for k in ("name", "strategy", "groups", "dense",
                                                       "predicted_s", "measured_s", "samples", "pace",
                                                       "turns")

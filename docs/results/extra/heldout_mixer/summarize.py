@@ -20,6 +20,7 @@ for path in sorted(glob.glob(os.path.join(HERE, "raw", f"{prefix}{rate}_d{densit
         lt = d["last_trial"]
         trials.append({"round": rnd, "winner": lt["winner"], "groups": [len(g) for g in d["plan"]["groups"]],
                        "excess_steps": lt["excess_steps"], "timed_ms": d["median_step_s"] * 1000,
+                       "decided_at": lt.get("decided_at"), "duel": lt.get("duel"),
                        "candidates_ms": {c["name"]: round(c["measured_s"] * 1000, 1)
                                          for c in lt["candidates"] if c.get("measured_s")},
                        "predicted_ms": {c["name"]: round(c["predicted_s"] * 1000, 1)
