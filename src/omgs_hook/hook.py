@@ -575,7 +575,8 @@ class OMGSState:
             ordinary training steps (error feedback is per parameter, so switching plans
             between steps changes no result); what a trial costs is the slower candidates'
             extra time over those steps. One small all-gather per measuring round (at most
-            three per trial, and one for the side-by-side pairs), from the hook. The trial's measurements also refit the model
+            three per trial, and one for the side-by-side pairs), from the hook. The
+            trial's measurements also refit the model
             (a constant, seconds per element sent dense, seconds per sparse group:
             ``stats()["cost_correction"]``) for the later re-plans. Once settled (20
             steps after it went into use) the winner's step time is compared with the
