@@ -818,6 +818,9 @@ def isolated_selection_worker(rank, world_size, steps, isolate_units, has_a_core
 
     hook_mod.ISOLATE_UNITS = isolate_units
     hook_mod.planner_has_a_core = lambda world_size: has_a_core  # (2 ranks, 2 cores: none)
+    # (re-plans after the trial are what is tested: a trial without its duel, which would
+    # take up to 80 of the run's steps when a runner-up is within 30%)
+    plan_selection.DUEL_PAIRS = 0
     model, ddp, state, opt = build(rank, replan_every=6)
     where = []
     submit = state._planner.submit
@@ -935,6 +938,9 @@ def real_clock_worker(rank, world_size, steps, pause_every=None, slow_in_turn=No
     arrivals alternate between early and late."""
     import time
 
+    # (the step timing the trial reads is tested: its rounds, without the duel, so that
+    # the trial has ended within the test's steps whatever the real clocks read)
+    plan_selection.DUEL_PAIRS = 0
     model, ddp, state, opt = build(rank, fake_clock=False)
     if slow_in_turn:
         state._load_probe = lambda: 0.01  # the slow forwards are the steps' pace, not spells

@@ -2,7 +2,7 @@
 """Held-out DDP timing script: a GRU language model on random tokens.
 
 Run once per rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as torchrun would).
---variant: compute | allreduce | default | sparse_model | topk | lags
+--variant: compute | allreduce | default | sparse_model | topk | lags | default_single
 Prints (rank 0) one line starting with RESULT_JSON.
 """
 import argparse
@@ -37,7 +37,10 @@ class GRULanguageModel(nn.Module):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variant", required=True,
-                   choices=["compute", "allreduce", "default", "sparse_model", "topk", "lags"])
+                   choices=["compute", "allreduce", "default", "sparse_model", "topk", "lags",
+                            "default_single"])
+    p.add_argument("--pinned-buckets", type=int, default=18,
+                   help="default_single: DDP's bucket count (18: the Mixer at cap 0.4)")
     p.add_argument("--density", type=float, default=0.001)
     p.add_argument("--profile", default=None)
     p.add_argument("--steps", type=int, default=160)
@@ -75,6 +78,10 @@ def main():
             opts.update(strategy="single", allow_dense=False, select="model")
         elif args.variant == "lags":
             opts.update(strategy="layerwise", allow_dense=False, select="model")
+        elif args.variant == "default_single":
+            # the default's options with TopK-SGD's one group pinned (no trial, no
+            # re-plan): what the default's steps cost beyond its plan choice
+            opts.update(plan={"groups": [list(range(args.pinned_buckets))]})
         state = omgs_hook.register(ddp, **opts)
 
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
