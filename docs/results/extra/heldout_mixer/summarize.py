@@ -38,6 +38,10 @@ out = {"medians_ms": med, "rounds_ms": rows, "peers": peers,
        "trials": trials}
 if "sparse_model" in med:
     out["sparse_model_over_default"] = med["sparse_model"] / med["default"]
+if "default_single" in med:  # (TopK-SGD's plan under the default's options, pinned)
+    out["topk_over_default_single"] = med["topk"] / med["default_single"]
+    out["per_round_topk_over_default_single"] = [rows["topk"][k] / rows["default_single"][k]
+                                                 for k in rounds]
 for k, v in out.items():
     print(k, json.dumps(v, default=float)[:400])
 json.dump(out, open(os.path.join(HERE, f"summary_{prefix}{rate}_d{density}.json"), "w"), indent=1)
