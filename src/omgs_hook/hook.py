@@ -2989,7 +2989,9 @@ class OMGSState:
         (every plan put in use: first step, strategy, groups, dense flags, reason -
         ``"model"``, ``"trial"`` (a candidate), ``"trial winner"``, ``"pinned"``),
         ``"selection"`` (``select``, the running trial and the last finished one: every
-        candidate's predicted and measured seconds and the winner),
+        candidate's predicted and measured seconds, the winner, and ``"duel"``: the two
+        leaders run side by side, the median of the runner-up's paired readings over
+        the winner's, the pairs and whether the runner-up took over; None without one),
         ``"backward_s_per_unit"`` (median measured per bucket), ``"forward_s"``,
         ``"tail_s"`` (median seconds from a step's last write-back to the next forward),
         ``"measured_iteration_s"`` (wall time from the start of one step's first
