@@ -563,12 +563,12 @@ class OMGSState:
             trial's 6 lead steps; as the rounds narrow to plans within a few % of each
             other, most of those steps run at about the winner's pace
             (``stats()["selection"]`` reports each trial's ``excess_steps``: its cost in
-            steps of the winner, 1-3 steps of a 146-step trial where the last two are a
-            few % apart). A later trial (a periodic re-plan whose model
-            plan differs from the one the last trial started from, e.g. after an online
-            refit) compares the kept plan with the new model plan only (at most 36 steps,
-            no side-by-side pairs) and starts only while all later trials together stay within 3% of the steps run;
-            otherwise the kept plan stays. (With ``topology="auto"`` resolved two-level it
+            steps of the winner; -2 to 21 steps, the pairs included, on a held-out
+            18-bucket model, docs/benchmarks.md). A later trial (a periodic re-plan whose
+            model plan differs from the one the last trial started from, e.g. after an
+            online refit) compares the kept plan with the new model plan only (at most 36
+            steps, no side-by-side pairs) and starts only while all later trials together
+            stay within 3% of the steps run; otherwise the kept plan stays. (With ``topology="auto"`` resolved two-level it
             starts when the two-level or the flat model's plan changed, and also holds the
             flat model's plan ``flat:<strategy>`` when that differs from the kept plan and
             the budget has room for three candidates, at most 50 steps.) Trial steps are

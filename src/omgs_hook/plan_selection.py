@@ -98,8 +98,9 @@ REGRET_TRIAL = True
 #: fastest plan by about 5% and the trial picked it in 5 of 12 runs. Pairs of adjacent
 #: steps share their phase, and 20 of them spread over 80 steps average it out: in the
 #: offline simulation (docs/results/extra/trial_sim/duel_steps.py) the mean regret of the
-#: choice fell from 2.56% to 1.10% (one group best by 5%), 0.89% to 0.86% (near-ties),
-#: 2.05% to 1.53% (three groups best by 12%), at a cost of 1-3 steps of the best plan
+#: choice fell from 2.56% to 1.13% (one group best by 5%), 0.89% to 0.82% (near-ties),
+#: 2.05% to 1.59% (three groups best by 12%); on the Mixer the trial then picked
+#: TopK-SGD's plan in 10 of 14 runs (docs/benchmarks.md)
 DUEL_PAIRS = 20
 #: counted steps per turn of the duel (each after ``settle`` uncounted steps)
 DUEL_STEPS = 1
@@ -964,7 +965,8 @@ class Trial:
         turns = self.rounds[-1]
         ratios = []
         for p in range(len(turns) // 2):
-            reading = {turns[2 * p]: turn_readings[2 * p], turns[2 * p + 1]: turn_readings[2 * p + 1]}
+            reading = {turns[2 * p]: turn_readings[2 * p],
+                       turns[2 * p + 1]: turn_readings[2 * p + 1]}
             if all(0 < reading[i] < math.inf for i in (winner, rival)):
                 ratios.append(reading[rival] / reading[winner])
         self.duel["ratios"] = ratios
