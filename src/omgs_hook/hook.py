@@ -2582,7 +2582,8 @@ class OMGSState:
         workload_s = plan_selection.compute_s(self._base_instance[1])
         if periodic and self._trial_workload_s is None:
             self._trial_workload_s = workload_s  # the first periodic re-plan after a trial
-        longest = plan_selection.trial_steps_bound(2, duel_pairs=0)  # (later trials: no duel)
+        longest = plan_selection.trial_steps_bound(
+            2, duel_pairs=plan_selection.duel_pairs_for("periodic"))
         job = {
             "instance": instance.to_dict(),
             "layout": [list(b) for b in layout],

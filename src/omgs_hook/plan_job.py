@@ -109,7 +109,8 @@ def compute_plan(job, strategy, select):
     candidates = plan_selection.dedupe(pool)  # (the flat one goes when it is the kept plan)
     room = job.get("retrial_room")
     while room is not None and len(candidates) > 2 and (
-            plan_selection.trial_steps_bound(len(candidates), duel_pairs=0) > room):
+            plan_selection.trial_steps_bound(
+                len(candidates), duel_pairs=plan_selection.duel_pairs_for("periodic")) > room):
         candidates.pop()
     if len(candidates) > 1 and job["retrial_ok"]:
         out["candidates"] = candidates

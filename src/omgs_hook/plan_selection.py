@@ -890,12 +890,11 @@ class Trial:
                 if disturbed:  # as if the whole step had slowed with its forward
                     bound.append(slowest / loads[position * counted + j])
             turn_readings.append(_median(raw[first:]))
+        for index, (raw, _, _) in gathered.items():
+            self.samples[index].extend(raw)
         if self.round_kinds[-1] == DUEL:
-            for index, (raw, _, _) in gathered.items():
-                self.samples[index].extend(raw)
             return self._finish_duel(turn_readings, step)
         for index, (raw, clean, bound) in gathered.items():
-            self.samples[index].extend(raw)
             if any(not math.isnan(x) for x in raw) and all(math.isnan(x) for x in clean):
                 all_disturbed.append(index)
                 quiet_bound[index] = _median(bound)
