@@ -324,16 +324,24 @@ def skip_unused_worker(rank, world_size):
     return None
 
 
+def _register_refused_for_ddp_option(option, worker):
+    """What ``worker`` (one rank) got from register() on a DDP model built with
+    ``option``; skipped where this torch's DDP has no such option."""
+    import inspect
+
+    if option not in inspect.signature(DDP.__init__).parameters:
+        pytest.skip(f"this torch's DDP has no {option}")
+    (message,) = run_ranks("test_hook_validation", worker, world_size=1)
+    return message
+
+
 @pytest.mark.timeout(60)
 def test_ddp_that_skips_buckets_of_unused_parameters_is_refused():
     # DDP(skip_all_reduce_unused_params=True) (torch 2.13) never hands over a bucket
     # whose parameters all went unused: with an unused layer in the last bucket the hook
     # never saw a step end - steps counted 0 and a sparse first step hung
-    import inspect
-
-    if "skip_all_reduce_unused_params" not in inspect.signature(DDP.__init__).parameters:
-        pytest.skip("this torch's DDP has no skip_all_reduce_unused_params")
-    (message,) = run_ranks("test_hook_validation", "skip_unused_worker", world_size=1)
+    message = _register_refused_for_ddp_option("skip_all_reduce_unused_params",
+                                               "skip_unused_worker")
     assert message and "skip_all_reduce_unused_params" in message, message
 
 
@@ -355,11 +363,7 @@ def test_ddp_with_its_own_mixed_precision_hook_is_refused_naming_it():
     # DDP(mixed_precision=...) registers a communication hook of its own: register() said
     # "DDP refused the hook (register_comm_hook ... can only be called once)", about a
     # call the user never made
-    import inspect
-
-    if "mixed_precision" not in inspect.signature(DDP.__init__).parameters:
-        pytest.skip("this torch's DDP has no mixed_precision")
-    (message,) = run_ranks("test_hook_validation", "mixed_precision_worker", world_size=1)
+    message = _register_refused_for_ddp_option("mixed_precision", "mixed_precision_worker")
     assert message and message.startswith("ValueError") and "mixed_precision" in message, message
 
 
