@@ -1048,6 +1048,17 @@ def _prediction_error(variant):
     return (predicted - variant["median_s"]) / variant["median_s"]
 
 
+def _replayed_error(variant):
+    """(replayed - measured) / measured of the median step: the model fed with the hook's
+    measurements of the timed steps themselves (see :func:`replayed_prediction`), or None."""
+    if not variant or variant.get("median_s") is None:
+        return None
+    replayed = (variant.get("hook") or {}).get("replayed_prediction_s")
+    if replayed is None:
+        return None
+    return (replayed - variant["median_s"]) / variant["median_s"]
+
+
 def _check_error(variant):
     """The hook's own model check of the plan in use: its prediction against the steps
     it was made from (``stats()["model_check"]["error"]``), or None."""
@@ -1064,6 +1075,8 @@ def analyse_default(variants):
     ``strategy_prediction_error``: per strategy, (predicted - measured) / measured;
     ``strategy_check_error``: per strategy (and ``"default"``), the same error of the
     hook's own model check on the steps it was made from (:func:`_check_error`);
+    ``strategy_replayed_error``: per strategy (and ``"default"``), the error of the same
+    plan's prediction from the timed steps' own measurements (:func:`_replayed_error`);
     ``aa_difference``: with the A/A control, topk_again / topk - 1 (the noise floor).
     """
     def median(name):
@@ -1081,6 +1094,11 @@ def analyse_default(variants):
     checks = {k: v for k, v in checks.items() if v is not None}
     if checks:
         out["strategy_check_error"] = checks
+    replayed = {strategy: _replayed_error(variants.get(name))
+                for strategy, name in list(PREDICTION_STRATEGIES.items()) + [("default", "default")]}
+    replayed = {k: v for k, v in replayed.items() if v is not None}
+    if replayed:
+        out["strategy_replayed_error"] = replayed
     if median("topk") is not None and median("topk_again") is not None:
         out["aa_difference"] = median("topk_again") / median("topk") - 1.0
     default = median("default")
@@ -1653,6 +1671,14 @@ def render_default_targets(results):
                "rounds instead, which run later in the run; the difference between the two "
                "is how far the host's step times moved between those windows.\n")
     out += _error_table(results, lambda r: r["analysis"].get("strategy_check_error") or {})
+    out.append("The same plan's prediction made from the timed steps themselves (`replayed`: "
+               "the cost model evaluated with the hook's measurements - forward, backward per "
+               "bucket, its own work, the tail, the timed collectives' scaling - of its "
+               "measurement window, which then holds the timed steps; the default keeps the "
+               "library's `measure_window=32`, its last 32 steps), against the timed median. "
+               "The host's drift between the windows is out of this one: what is left is the "
+               "model's own error.\n")
+    out += _error_table(results, lambda r: r["analysis"].get("strategy_replayed_error") or {})
     return out
 
 

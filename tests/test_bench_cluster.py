@@ -238,6 +238,25 @@ def test_the_model_check_on_its_own_steps_is_reported_beside_the_timed_error():
     assert "strategy_check_error" not in bench.analyse(_result())
 
 
+def test_the_prediction_replayed_from_the_timed_steps_is_reported_per_strategy():
+    r = _with_default()
+    medians = {name: r["variants"][name]["median_s"] for name in ("topk", "lags", "default")}
+    replayed = {"topk": medians["topk"] * 1.04, "lags": medians["lags"] * 0.85,
+                "default": medians["default"] * 1.01}
+    for name, value in replayed.items():
+        r["variants"][name]["hook"]["replayed_prediction_s"] = value
+    a = bench.analyse(r)
+    assert a["strategy_replayed_error"] == pytest.approx(
+        {"single": 0.04, "layerwise": -0.15, "default": 0.01})
+    r["analysis"] = a
+    text = bench.render_tables([r], "benchmarks.png")
+    rows = text.split("made from the timed steps themselves")[1].splitlines()
+    assert "| resnet20 N=4 d=0.001 | +4% met | -15% **missed** | - | - | +1% met |" in rows
+    # OMGS-SGD's alone (0.45 s replayed, 0.5 s measured); none without replayed predictions
+    assert bench.analyse(_result())["strategy_replayed_error"] == {"optimal": pytest.approx(-0.1)}
+    assert "strategy_replayed_error" not in bench.analyse(_result(replayed=None))
+
+
 def test_quick_runs_on_a_faster_link_unless_a_rate_is_given():
     # the smoke run's dense warm-up steps would take most of its time at 20 Mbit/s
     assert bench.parse_args(["--quick"]).rate == {("resnet20", 2): bench.QUICK_RATE}
