@@ -252,3 +252,34 @@ def test_a_cuda_bucket_future_waits_for_every_write_back_into_the_bucket(monkeyp
     assert log == [("wait", [0, 1]), ("set_result",)]
     assert bucket_future.done() and ex.finished and ex.error is None
     assert len(ex._retained) == 2  # the write-backs' tensors outlive their callbacks
+
+
+def test_a_send_window_notes_its_groups_and_the_seconds_no_timer_covered():
+    from omgs_hook.group_exchange import GroupRecord, StepExchange
+    from omgs_hook.residual_memory import ResidualMemory
+
+    ex = StepExchange(memory=ResidualMemory(), selector=None, process_group=None,
+                      world_size=1, density=0.5)
+    for key in ("p0", "p1"):
+        bucket = FakeBucket([torch.ones(4)])
+        ex.add_bucket(bucket, [key], bucket.params)
+    mark = ex.open_window()  # a window that sends nothing
+    ex.close_window(mark)
+    # one sparse group: 0.06 s of timed work (top-k, h's two parts), 0.04 s of untimed
+    mark = ex.open_window()
+    time.sleep(0.04)
+    started = time.perf_counter()
+    time.sleep(0.06)
+    ex.topk_s += 0.02
+    ex.overhead_samples.append((4, 0.01, 0.03))
+    ex._issue(torch.futures.Future, lambda: None,
+              GroupRecord(("p0",), False, 4, 2, 20, started), defer=True)
+    ex.close_window(mark)
+    # a window that sends a dense group: no timer covers a dense send, so it is left out
+    mark = ex.open_window()
+    ex._issue(torch.futures.Future, lambda: None,
+              GroupRecord(("p1",), True, 4, 4, 16, time.perf_counter()))
+    ex.close_window(mark)
+    (empty_groups, empty_s), (groups, untimed_s) = ex.window_samples
+    assert empty_groups == 0 and 0.0 <= empty_s < 0.01
+    assert groups == 1 and 0.04 <= untimed_s < 0.04 + 0.5, untimed_s

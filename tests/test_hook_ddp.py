@@ -279,6 +279,25 @@ def straggler_worker(rank, world_size, delay_s):
             "instance": instance.to_dict(), "replans": stats["total"]["replans"]}
 
 
+def send_window_worker(rank, world_size):
+    """LAGS-SGD's plan (a group per bucket): the send windows the last step noted."""
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=3, strategy="layerwise",
+                               allow_dense=False, select="model")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train_steps(ddp, opt, 0, 10, rank)
+    exchange = state._last_exchange
+    out = {"windows": list(exchange.window_samples), "buckets": len(exchange.layout),
+           "groups": len(state.plan.groups),
+           "fixed": [f for _, _, f in list(state.overhead._samples)],
+           "raw_fixed": [f for _, _, f in exchange.overhead_samples]}
+    del ddp, state
+    gc.collect()
+    return out
+
+
 MISMATCHED = {"density": ({"density": 0.01}, {"density": 0.02}),
               "measured_comm": ({"measured_comm": True}, {"measured_comm": False}),
               # rank 1 wraps the same network once more: the same shapes (DDP accepts
@@ -815,6 +834,19 @@ def test_plan_is_made_for_the_slowest_rank():
     topk = instance["topk"]
     assert topk["c0"] >= planned["group_overhead_s"] + planned["writeback_s"]
     assert topk["c1"] >= planned["group_overhead_s_per_element"] + planned["writeback_s_per_element"]
+
+
+@pytest.mark.timeout(120)
+def test_every_send_window_but_the_last_buckets_is_noted_with_the_groups_it_sent():
+    results = run_ranks("test_hook_ddp", "send_window_worker", world_size=2)
+    for r in results:
+        # a group per bucket: every window sent one, the last bucket's (its flush walks
+        # every parameter once a step) is left out
+        assert r["groups"] == r["buckets"] > 2, r
+        assert [groups for groups, _ in r["windows"]] == [1] * (r["buckets"] - 1), r
+        assert all(seconds >= 0.0 for _, seconds in r["windows"]), r
+        # the meter's samples carry the untimed share on top of the timed fixed part
+        assert min(r["fixed"]) >= 0.0 and len(r["fixed"]) >= r["groups"], r
 
 
 @pytest.mark.timeout(120)

@@ -17,13 +17,15 @@ from omgs_hook import OMGSState
 from omgs_hook.group_exchange import GroupRecord
 
 
-def finished_step(step, collective_s, density=0.01, overhead=(1000, 2e-4, 1e-4)):
-    """A fake finished exchange: one sparse group whose collective took ``collective_s``."""
+def finished_step(step, collective_s, density=0.01, overhead=(1000, 2e-4, 1e-4), windows=()):
+    """A fake finished exchange: one sparse group whose collective took ``collective_s``;
+    ``windows``: its send windows (groups sent, untimed seconds)."""
     record = GroupRecord(keys=("w",), dense=False, numel=1000, selected=10, nbytes=80)
     record.issued, record.done = 10.0, 10.0 + collective_s
     return SimpleNamespace(
         nonfinite=False, error=None, finish_wall=20.0, records=[record], subgroups=None,
         density=density, overhead_samples=[overhead], writeback_samples=[(1000, 3e-4)],
+        window_samples=list(windows),
         step_number=step, health=None, staleness=None, warmup=False, topk_s=1e-3, hook_s=2e-3)
 
 
@@ -80,3 +82,20 @@ def test_without_measured_comm_nothing_is_timed_but_the_group_work_still_is():
         state._on_step_finished(finished_step(step, 0.01))
     state._ingest_finished()
     assert sparse_seconds(state) == [] and len(state.overhead) == 3
+
+
+def test_the_send_windows_untimed_seconds_join_each_groups_fixed_part():
+    """What a step's send windows took beyond the timed per-group work, less an empty
+    window's (the per-bucket part), is shared by the groups and priced with ``h``."""
+    state = OMGSState(density=0.01)
+    # a window that sent nothing (1e-4 s), one that sent the group (4e-4 s untimed)
+    windows = [(0, 1e-4), (1, 4e-4)]
+    for step in (1, 2, 3):
+        state._on_step_finished(finished_step(step, 0.01, windows=windows))
+    state._ingest_finished(before_step=3)
+    fixed = [f for _, _, f in state.overhead._samples]
+    assert fixed == [pytest.approx(1e-4 + 3e-4)] * 2
+    # without windows (a two-level step, the last bucket alone) the timed part stands
+    state._on_step_finished(finished_step(4, 0.01))
+    state._ingest_finished(before_step=5)
+    assert [f for _, _, f in state.overhead._samples][-1] == pytest.approx(1e-4)

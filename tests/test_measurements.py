@@ -393,3 +393,17 @@ def test_the_first_cuda_step_forward_marked_on_the_host_is_not_resolved_as_event
     assert meter.num_samples == 2
     assert all(s >= 0.0 for s in meter.backward_s())
     assert meter.forward_s() > 0.0
+
+
+def test_untimed_per_group_s_shares_what_windows_with_groups_took_beyond_an_empty_one():
+    from omgs_hook.measurements import untimed_per_group_s
+
+    # empty windows show the per-bucket part (median 1e-4); two windows sent 1 and 2 groups
+    windows = [(0, 1e-4), (0, 3e-4), (0, 1e-4), (1, 5e-4), (2, 9e-4)]
+    assert untimed_per_group_s(windows) == pytest.approx((4e-4 + 8e-4) / 3)
+    # no empty window (every bucket sent a group, as LAGS-SGD's plan): nothing taken off
+    assert untimed_per_group_s([(1, 2e-4), (1, 4e-4)]) == pytest.approx(3e-4)
+    # no group sent, or windows quicker than the empty ones: nothing
+    assert untimed_per_group_s([(0, 1e-4)]) == 0.0
+    assert untimed_per_group_s([]) == 0.0
+    assert untimed_per_group_s([(0, 5e-4), (1, 1e-4)]) == 0.0

@@ -162,6 +162,9 @@ class StepExchange:
         # per sparse group: (elements, seconds) of the receive side - unpacking, the
         # scatter-add, averaging, writing back - once the collective completed
         self.writeback_samples = []
+        # per send window (open_window / close_window, flat exchange on the host):
+        # (sparse groups sent in it, seconds of it no timer above covered)
+        self.window_samples = []
 
         self._futures = []  # per bucket
         self._buffers = []
@@ -674,6 +677,28 @@ class StepExchange:
             # the model prices as ``w`` (the finish timed only its own part)
             numel = self.writeback_samples[-1][0]
             self.writeback_samples[-1] = (numel, time.perf_counter() - begin)
+
+    def open_window(self):
+        """A mark at the start of a send window, for :meth:`close_window`."""
+        return (time.perf_counter(), len(self.records), len(self.overhead_samples),
+                len(self.writeback_samples), self.topk_s)
+
+    def close_window(self, mark):
+        """Note the send window since ``mark`` (``window_samples``): the sparse groups it
+        sent and its seconds beyond the timed work of this thread in it - the groups'
+        top-k and ``h`` samples, the deferred write-backs' ``w`` samples
+        (:func:`~omgs_hook.measurements.untimed_per_group_s`). A window that sent a
+        dense group is left out: a dense send has no timer."""
+        now = time.perf_counter()
+        opened, records, overheads, writebacks, topk_s = mark
+        with self._lock:
+            new = self.records[records:]
+        if any(record.dense for record in new):
+            return
+        timed = (self.topk_s - topk_s
+                 + sum(e + f for _, e, f in self.overhead_samples[overheads:])
+                 + sum(seconds for _, seconds in self.writeback_samples[writebacks:]))
+        self.window_samples.append((len(new), max(0.0, now - opened - timed)))
 
     def write_back_completed(self, wait=False):
         """On the autograd thread: write back the deferred groups, in issue order, whose

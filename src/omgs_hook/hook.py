@@ -81,7 +81,8 @@ from .background_planner import BackgroundPlanner
 from .group_exchange import StepExchange
 from .group_plan import GroupPlan, check_exchange
 from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, comm_sums,
-                           least_median_factor, slowest_rank_timeline, two_level_comm_sums)
+                           least_median_factor, slowest_rank_timeline, two_level_comm_sums,
+                           untimed_per_group_s)
 from .profile_file import (Profile, default_profile, load_profile, profile_bandwidth_gaps,
                            profile_mismatches)
 from .residual_memory import ResidualMemory, check_residuals, squared_norm
@@ -1493,6 +1494,11 @@ class OMGSState:
             # the two-level stages waited for here are the groups' own work (their
             # reduce-scatter is on the model's compute stream), not this bucket's backward
             self.meter.sends_started(arrived)
+            # (flat on the host: what of the window no per-group timer covers is priced
+            # per group, measurements.untimed_per_group_s; not the last bucket's, whose
+            # flush walks every parameter once a step, whatever the plan)
+            window = (exchange.open_window() if exchange.subgroups is None
+                      and self._on_host() and not last else None)
             # sparse groups whose collective completed since the last bucket: written
             # back here, on this thread (inside the send window, so the time is not
             # counted as this bucket's backward)
@@ -1504,6 +1510,8 @@ class OMGSState:
                 self._send_ready_groups(exchange, keys)
                 if last:
                     self._flush(exchange)
+            if window is not None:
+                exchange.close_window(window)
             self.meter.sends_finished()
             if last:
                 # before the commit (in finish_issuing): a signal handler's state_dict()
@@ -2878,8 +2886,11 @@ class OMGSState:
         sums = None
         if self.measured_comm and self._on_host():
             sums = comm_sums(exchange.records) if flat else two_level_comm_sums(exchange.records)
+        # (the windows are read at the ingest: this step's last hook call may still be
+        # running on the autograd thread while its last collective completes)
         self._finished.append((exchange.step_number, flat, sums, exchange.density,
-                               exchange.overhead_samples, exchange.writeback_samples))
+                               exchange.overhead_samples, exchange.writeback_samples,
+                               exchange.window_samples))
         records = exchange.records
         numel = sum(r.numel for r in records)
         selected = sum(r.selected for r in records)
@@ -2940,15 +2951,17 @@ class OMGSState:
         collectives before the next step's backward ends."""
         finished = self._finished
         while finished and (before_step is None or finished[0][0] < before_step):
-            _, flat, sums, density, overhead_samples, writeback_samples = finished.popleft()
+            (_, flat, sums, density, overhead_samples, writeback_samples,
+             windows) = finished.popleft()
             if sums is not None:
                 if not self._collectives_warm:
                     self._collectives_warm = True  # the process group's first use
                 else:
                     (self._comm_times if flat else self._two_level_times).add(sums)
             if density == self.density:  # not in the density warm-up: plans are for this
-                for sample in overhead_samples:
-                    self.overhead.add(*sample)
+                untimed = untimed_per_group_s(windows)
+                for numel, element_pass, fixed in overhead_samples:
+                    self.overhead.add(numel, element_pass, fixed + untimed)
                 for numel, seconds in writeback_samples:
                     self.writeback.add(numel, seconds, 0.0)
 
