@@ -1,0 +1,53 @@
+"""The default's trial against its timed rounds, over every stored benchmark run that has
+the default beside TopK-SGD (docs/results/bench_*.json and extra/bench_*.json): per run,
+the trial winner's measured time over `single`'s, the duel's ratio if one ran, and the
+timed default over TopK-SGD (with the A/A control where there is one). Then medians by
+kind of winner. Run from the repository root: python docs/results/extra/trial_vs_timed.py"""
+import glob
+import json
+import os
+import statistics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+paths = sorted(glob.glob(os.path.join(HERE, "bench_*.json")))
+paths += sorted(glob.glob(os.path.join(HERE, "..", "bench_*.json")))
+rows = []
+for path in paths:
+    variants = json.load(open(path)).get("variants", {})
+    if "default" not in variants or "topk" not in variants:
+        continue
+    hook = variants["default"].get("hook") or {}
+    trial = (hook.get("selection") or {}).get("last_trial") or {}
+    measured = {c["name"]: c.get("measured_s") for c in trial.get("candidates") or []}
+    winner = trial.get("winner")
+    if not measured.get("single") or not measured.get(winner):
+        continue
+    duel = trial.get("duel")
+    again = variants.get("topk_again")
+    rows.append({
+        "run": os.path.basename(path)[len("bench_"):-len(".json")], "winner": winner,
+        "groups": len(hook.get("plan_groups") or []),
+        "trial_over_single": measured[winner] / measured["single"],
+        "duel_ratio": duel["median_ratio"] if duel else None,
+        "timed_over_topk": variants["default"]["median_s"] / variants["topk"]["median_s"],
+        "aa": again["median_s"] / variants["topk"]["median_s"] if again else None})
+for r in rows:
+    print(f"{r['run']:40s} {r['winner']:15s} {r['groups']:3d} groups  trial {r['trial_over_single']:.3f}"
+          f"  duel {'-' if r['duel_ratio'] is None else format(r['duel_ratio'], '.3f')}"
+          f"  timed {r['timed_over_topk']:.3f}  A/A {'-' if r['aa'] is None else format(r['aa'], '.3f')}")
+
+
+def summary(label, subset):
+    if subset:
+        print(f"{label}: {len(subset)} runs, trial winner over single median "
+              f"{statistics.median(r['trial_over_single'] for r in subset):.3f}, timed default "
+              f"over TopK-SGD median {statistics.median(r['timed_over_topk'] for r in subset):.3f} "
+              f"({min(r['timed_over_topk'] for r in subset):.3f}-"
+              f"{max(r['timed_over_topk'] for r in subset):.3f}), more than 2% behind: "
+              f"{sum(r['timed_over_topk'] > 1.02 for r in subset)}")
+
+
+multi = [r for r in rows if r["winner"] != "single"]
+summary("winner of several groups", multi)
+summary("... read within 5% of single in the trial", [r for r in multi if r["trial_over_single"] >= 0.95])
+summary("winner single", [r for r in rows if r["winner"] == "single"])
