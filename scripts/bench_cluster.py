@@ -1039,24 +1039,17 @@ def analyse(result):
     return out
 
 
-def _prediction_error(variant):
+def _prediction_error(variant, key="predicted_iteration_s"):
+    """(predicted - measured) / measured of the median step, the prediction the hook's
+    report holds under ``key`` (``"replayed_prediction_s"``: the model fed with the
+    hook's measurements of the timed steps themselves, :func:`replayed_prediction`), or
+    None."""
     if not variant or variant.get("median_s") is None:
         return None
-    predicted = (variant.get("hook") or {}).get("predicted_iteration_s")
+    predicted = (variant.get("hook") or {}).get(key)
     if predicted is None:
         return None
     return (predicted - variant["median_s"]) / variant["median_s"]
-
-
-def _replayed_error(variant):
-    """(replayed - measured) / measured of the median step: the model fed with the hook's
-    measurements of the timed steps themselves (see :func:`replayed_prediction`), or None."""
-    if not variant or variant.get("median_s") is None:
-        return None
-    replayed = (variant.get("hook") or {}).get("replayed_prediction_s")
-    if replayed is None:
-        return None
-    return (replayed - variant["median_s"]) / variant["median_s"]
 
 
 def _check_error(variant):
@@ -1076,7 +1069,7 @@ def analyse_default(variants):
     ``strategy_check_error``: per strategy (and ``"default"``), the same error of the
     hook's own model check on the steps it was made from (:func:`_check_error`);
     ``strategy_replayed_error``: per strategy (and ``"default"``), the error of the same
-    plan's prediction from the timed steps' own measurements (:func:`_replayed_error`);
+    plan's prediction from the timed steps' own measurements (:func:`replayed_prediction`);
     ``aa_difference``: with the A/A control, topk_again / topk - 1 (the noise floor).
     """
     def median(name):
@@ -1094,7 +1087,7 @@ def analyse_default(variants):
     checks = {k: v for k, v in checks.items() if v is not None}
     if checks:
         out["strategy_check_error"] = checks
-    replayed = {strategy: _replayed_error(variants.get(name))
+    replayed = {strategy: _prediction_error(variants.get(name), "replayed_prediction_s")
                 for strategy, name in list(PREDICTION_STRATEGIES.items()) + [("default", "default")]}
     replayed = {k: v for k, v in replayed.items() if v is not None}
     if replayed:
