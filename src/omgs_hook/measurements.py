@@ -468,16 +468,16 @@ def slowest_rank_timeline(per_rank):
 def untimed_per_group_s(windows):
     """The hook's untimed seconds per sparse group sent, from one step's send windows.
 
-    ``windows``: per send window of the step (a bucket's turn in the hook, from its
-    arrival to its return), ``(sparse groups sent in it, seconds of it that no timer
-    of the per-group work covered)``: the top-k, ``h`` and ``w`` are timed; the Python
-    around them (choosing what is ready, registering and issuing the collective, the
-    deferred write-backs' queue) is not. A window that sent nothing shows the part paid
-    per bucket whatever the plan; its median is taken off every window that sent
-    groups, and the rest is shared by their groups. 0.0 without groups sent. The hook
-    adds it to each group's fixed part of ``h`` (:class:`GroupOverheadMeter`), so a
-    plan of many groups is priced with it: LAGS-SGD's 59 groups on 2 ranks (ResNet-20)
-    spent 15-20 ms a step there, TopK-SGD's one group 2 ms."""
+    ``windows``: per send window of the step (a bucket's sends in the hook; the hook
+    leaves out the last bucket's, whose flush is paid once a step), ``(sparse groups
+    sent in it, seconds of it that no timer of the per-group work covered)``: the
+    top-k, ``h`` and ``w`` are timed; the Python around them (choosing what is ready,
+    registering and issuing the collective, the deferred write-backs' queue) is not. A
+    window that sent nothing shows the part paid per bucket whatever the plan; its
+    median is taken off every window that sent groups, and the rest is shared by their
+    groups. 0.0 without groups sent. The hook adds it to each group's fixed part of
+    ``h`` (:class:`GroupOverheadMeter`), so a plan of many groups is priced with it:
+    0.036 ms a group for LAGS-SGD's 59 groups on 2 ranks (ResNet-20, docs/cost-model.md)."""
     empty = [seconds for groups, seconds in windows if groups == 0]
     base = statistics.median(empty) if empty else 0.0
     sent = [(groups, seconds) for groups, seconds in windows if groups > 0]
