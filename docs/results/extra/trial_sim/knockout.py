@@ -36,48 +36,25 @@ class Knockout(ps.Trial):
 
 def choose(true, seed, cls, pairs=20, sigma_phase=0.2, rho=0.9):
     host = sim.Host(random.Random(seed), sigma_phase, rho, 0.05, 0.0, 4)
-    names = list(true)
-    trial = cls([sim.cand(n, i) for i, n in enumerate(names)], 0,
-                lead=ps.FIRST_TRIAL_LEAD_STEPS, duel_pairs=pairs)
-    step = 0
-    while not trial.done and step < 600:
-        if trial.round_complete(step):
-            trial.finish_round([trial.local_row()], step)
-            if trial.done:
-                break
-        c = trial.candidate_at(step)
-        if c is None:
-            host.advance()
-        else:
-            t, fwd = host.step(true[names[c]])
-            trial.record(step, t, probe=fwd, forward=fwd)
-        step += 1
-    return names[trial.winner], step
+    trial, steps = sim.drive_trial(true, host, trial_cls=cls, duel_pairs=pairs)
+    return trial.candidates[trial.winner].name, steps
+
+
+ROWS = [("duel of 20 pairs", dict(cls=ps.Trial)),
+        ("knockout, 2 duels of 20", dict(cls=Knockout)),
+        ("duel, phases of 10%", dict(cls=ps.Trial, sigma_phase=0.1)),
+        ("knockout, phases of 10%", dict(cls=Knockout, sigma_phase=0.1)),
+        ("duel, rho 0.7", dict(cls=ps.Trial, rho=0.7)),
+        ("knockout, rho 0.7", dict(cls=Knockout, rho=0.7)),
+        # the same extra steps spent on one duel of 40 pairs instead of two of 20
+        ("duel of 40 pairs", dict(cls=ps.Trial, pairs=40)),
+        ("duel of 40, phases of 10%", dict(cls=ps.Trial, pairs=40, sigma_phase=0.1)),
+        ("duel of 40, rho 0.7", dict(cls=ps.Trial, pairs=40, rho=0.7))]
 
 
 def main(n):
     print("scenarios:", ", ".join(sim.SCENARIOS))
-    for label, kw in [("duel of 20 pairs", dict(cls=ps.Trial)),
-                      ("knockout, 2 duels of 20", dict(cls=Knockout)),
-                      ("duel, phases of 10%", dict(cls=ps.Trial, sigma_phase=0.1)),
-                      ("knockout, phases of 10%", dict(cls=Knockout, sigma_phase=0.1)),
-                      ("duel, rho 0.7", dict(cls=ps.Trial, rho=0.7)),
-                      ("knockout, rho 0.7", dict(cls=Knockout, rho=0.7))]:
-        cells = []
-        for true in sim.SCENARIOS.values():
-            best = min(true.values())
-            runs = [choose(true, seed, **kw) for seed in range(n)]
-            regret = statistics.mean(true[w] / best for w, _ in runs) - 1
-            cells.append(f"{100 * regret:5.2f}% ({statistics.mean(s for _, s in runs):3.0f})")
-        print(f"{label:26s}", "  ".join(cells), flush=True)
-    budget_match(n)
-
-
-def budget_match(n):
-    """The same extra steps spent on one duel of 40 pairs instead of two of 20."""
-    for label, kw in [("duel of 40 pairs", dict(cls=ps.Trial, pairs=40)),
-                      ("duel of 40, phases of 10%", dict(cls=ps.Trial, pairs=40, sigma_phase=0.1)),
-                      ("duel of 40, rho 0.7", dict(cls=ps.Trial, pairs=40, rho=0.7))]:
+    for label, kw in ROWS:
         cells = []
         for true in sim.SCENARIOS.values():
             best = min(true.values())

@@ -34,11 +34,12 @@ class Host:
         return t, 0.3 * math.exp(self.kappa * self.phase) * math.exp(self.rnd.gauss(0, 0.03))
 
 
-def drive_trial(true, host, **trial_kw):
-    """Run the library's Trial over the candidates ``true`` (name -> true seconds)."""
+def drive_trial(true, host, trial_cls=ps.Trial, **trial_kw):
+    """Run the library's Trial (or ``trial_cls``, a variant of it) over the candidates
+    ``true`` (name -> true seconds)."""
     names = list(true)
-    trial = ps.Trial([cand(n, i) for i, n in enumerate(names)], 0,
-                     lead=ps.FIRST_TRIAL_LEAD_STEPS, **trial_kw)
+    trial = trial_cls([cand(n, i) for i, n in enumerate(names)], 0,
+                      lead=ps.FIRST_TRIAL_LEAD_STEPS, **trial_kw)
     step = 0
     while not trial.done and step < 400:
         if trial.round_complete(step):
