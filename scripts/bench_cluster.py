@@ -1077,21 +1077,21 @@ def analyse_default(variants):
         return v.get("median_s") if v else None
 
     out = {}
-    errors = {strategy: _prediction_error(variants.get(name))
-              for strategy, name in PREDICTION_STRATEGIES.items()}
-    errors = {k: v for k, v in errors.items() if v is not None}
-    if errors:
-        out["strategy_prediction_error"] = errors
-    checks = {strategy: _check_error(variants.get(name))
-              for strategy, name in list(PREDICTION_STRATEGIES.items()) + [("default", "default")]}
-    checks = {k: v for k, v in checks.items() if v is not None}
-    if checks:
-        out["strategy_check_error"] = checks
-    replayed = {strategy: _prediction_error(variants.get(name), "replayed_prediction_s")
-                for strategy, name in list(PREDICTION_STRATEGIES.items()) + [("default", "default")]}
-    replayed = {k: v for k, v in replayed.items() if v is not None}
-    if replayed:
-        out["strategy_replayed_error"] = replayed
+
+    def per_strategy(key, error_of, default=True):
+        """``out[key]``: ``error_of(variant)`` per strategy (and the default's), those
+        known; nothing when none is."""
+        names = list(PREDICTION_STRATEGIES.items()) + ([("default", "default")] if default else [])
+        errors = {strategy: error_of(variants.get(name)) for strategy, name in names}
+        errors = {k: v for k, v in errors.items() if v is not None}
+        if errors:
+            out[key] = errors
+
+    # (the default's error against the timed rounds is default_prediction_error, below)
+    per_strategy("strategy_prediction_error", _prediction_error, default=False)
+    per_strategy("strategy_check_error", _check_error)
+    per_strategy("strategy_replayed_error",
+                 lambda variant: _prediction_error(variant, "replayed_prediction_s"))
     if median("topk") is not None and median("topk_again") is not None:
         out["aa_difference"] = median("topk_again") / median("topk") - 1.0
     default = median("default")
