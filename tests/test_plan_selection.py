@@ -28,6 +28,14 @@ def no_duel_unless_asked(monkeypatch):
     monkeypatch.setattr(plan_selection, "DUEL_PAIRS", 0)
 
 
+@pytest.fixture(autouse=True)
+def no_baseline_margin_unless_asked(monkeypatch):
+    """The tests of the schedule and the rounds compare candidates as measured (many of
+    them have one sparse group, the baseline's shape); the margin's own tests pass
+    ``baseline_margin``."""
+    monkeypatch.setattr(plan_selection, "BASELINE_MARGIN", 0.0)
+
+
 def instance(dense=True, units=6, slow_network=False):
     layers = tuple(Unit(numel=1000 * (i + 1) ** 2, backward_s=0.001 * (1 + i % 3))
                    for i in range(units))
@@ -1380,3 +1388,91 @@ def test_a_spell_over_both_screen_turns_of_a_candidate_is_retaken():
     probe, extra = spell_over({9})
     report = run_trial(Trial(three(), 0), times, probe=probe, extra=extra)
     assert report["retaken"] == [] and report["winner"] == "sparse"
+
+
+# -- the baseline's margin ----------------------------------------------------------------
+def with_baseline():
+    """The model's 3-group plan, TopK-SGD's one sparse group, an all-dense plan."""
+    return [cand("optimal", [[0], [1], [2]]), cand("single", [[0, 1, 2]]),
+            cand("all-dense", [[0], [1], [2]], [True] * 3)]
+
+
+def test_only_one_sparse_group_is_the_baseline():
+    assert cand("single", [[0, 1, 2]]).is_baseline
+    assert cand("optimal", [[0, 1, 2]]).is_baseline  # the model's choice can be that plan
+    assert not cand("dense", [[0, 1, 2]], [True]).is_baseline
+    assert not cand("two", [[0], [1, 2]]).is_baseline
+
+
+def test_a_plan_must_read_faster_than_the_baseline_by_the_margin_to_be_chosen():
+    # "optimal" reads 2% ahead of "single": within the margin of 3%, "single" is kept
+    trial = Trial(with_baseline(), 0, baseline_margin=0.03)
+    assert decide(trial, [[0.98, 1.0, 1.5]])[0] == 1
+    assert trial.report()["winner"] == "single" and trial.report()["baseline_margin"] == 0.03
+    assert trial.scored_s(0) == pytest.approx(0.98 * 1.03) and trial.scored_s(1) == 1.0
+    # 5% ahead: beyond the margin, it is chosen
+    assert decide(Trial(with_baseline(), 0, baseline_margin=0.03), [[0.95, 1.0, 1.5]])[0] == 0
+    # without the margin the lower reading wins, as before
+    assert decide(Trial(with_baseline(), 0, baseline_margin=0.0), [[0.98, 1.0, 1.5]])[0] == 0
+
+
+def test_the_margin_moves_no_decision_between_plans_that_are_not_the_baseline():
+    rng = random.Random(5)
+    for _ in range(100):
+        n = rng.randint(2, 5)
+        cands = [cand(f"c{i}", [[0], [1, i]], [i % 2 == 1, False]) for i in range(n)]
+        times = [[rng.choice([1.0, 1.01, 1.02, 1.1, 1.3]) for _ in range(n)] for _ in range(2)]
+        plain, margined = Trial(cands, 0, baseline_margin=0.0), Trial(cands, 0, baseline_margin=0.05)
+        assert decide(plain, times)[0] == decide(margined, times)[0]
+        assert plain.rounds == margined.rounds
+
+
+def test_the_duel_holds_the_rival_to_the_margin_against_the_baseline():
+    # the rounds before: "single" 1.0, "optimal" 1.005 (scored 1.035: the runner-up)
+    def duel(side_by_side):
+        trial = Trial(with_baseline(), 0, duel_pairs=4, baseline_margin=0.03)
+        _, step = decide_or_duel(trial, [[1.005, 1.0, 1.5]])
+        assert trial.duel == {"winner": 1, "rival": 0, "ratios": []}
+        return run_duel(trial, lambda i, s: side_by_side if i == 0 else 1.0, step)[0], trial
+    # side by side "optimal" reads 2% faster: not enough
+    winner, trial = duel(0.98)
+    assert winner == 1 and not trial.report()["duel"]["switched"]
+    assert trial.report()["duel"]["to_beat"] == pytest.approx(1 / 1.03)
+    assert ("side by side, optimal over single: 0.980 (median of 4 pairs, to beat 0.971), "
+            "single kept") in trial.summary()
+    # 4% faster: it takes over
+    winner, trial = duel(0.96)
+    assert winner == 0 and trial.report()["duel"]["switched"]
+
+
+def test_the_baseline_margin_is_saved_with_the_trial_and_old_states_run_without():
+    trial = Trial(with_baseline(), 0, baseline_margin=0.04)
+    restored = Trial.from_state_dict(trial.state_dict())
+    assert restored.baseline_margin == 0.04 and restored.state_dict() == trial.state_dict()
+    old = trial.state_dict()
+    old.pop("baseline_margin")
+    assert Trial.from_state_dict(old).baseline_margin == 0.0
+
+
+def test_the_module_margin_is_the_default(monkeypatch):
+    monkeypatch.setattr(plan_selection, "BASELINE_MARGIN", 0.07)
+    assert Trial(with_baseline(), 0).baseline_margin == 0.07
+
+
+def test_bad_baseline_margins_name_the_option():
+    for bad in (-0.01, 1.0, "0.03", True, math.nan):
+        with pytest.raises(ValueError, match="baseline_margin"):
+            Trial(with_baseline(), 0, baseline_margin=bad)
+
+
+def test_the_regret_check_weighs_the_rival_as_the_trial_did():
+    # "single" won within the margin (the others 2% and 50% behind as scored); once
+    # settled it runs 4% above its trial time
+    trial = Trial(with_baseline(), 0, baseline_margin=0.03)
+    assert decide(trial, [[0.99, 1.0, 1.5]])[0] == 1
+    report = trial.report()
+    # unweighted, "optimal" (0.99 * (1 + 3% tie) = 1.02) would be a rival at 1.04;
+    # weighted (0.99 * 1.03 * 1.03 = 1.05) it is not: the margin would keep it out again
+    assert plan_selection.regret_rival(dict(report, baseline_margin=0.0), 1.04)["name"] == "optimal"
+    assert plan_selection.regret_rival(report, 1.04) is None
+    assert plan_selection.regret_rival(report, 1.06)["name"] == "optimal"

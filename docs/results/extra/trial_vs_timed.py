@@ -51,3 +51,17 @@ multi = [r for r in rows if r["winner"] != "single"]
 summary("winner of several groups", multi)
 summary("... read within 5% of single in the trial", [r for r in multi if r["trial_over_single"] >= 0.95])
 summary("winner single", [r for r in rows if r["winner"] == "single"])
+
+# the same runs against the A/A copy of TopK-SGD (the variant run after it: a default
+# that ran `single` reads about 1.00 of it, against 0.98 of TopK-SGD itself), by how far
+# the trial read a multi-group winner ahead of `single` (plan_selection.BASELINE_MARGIN)
+print("timed default over the TopK-SGD A/A copy, by the trial's reading of the winner over single:")
+with_aa = [r for r in rows if r["aa"]]
+ones = [r["timed_over_topk"] / r["aa"] for r in with_aa if r["groups"] == 1]
+print(f"  winner single: {len(ones)} runs, median {statistics.median(ones):.3f}, mean {statistics.mean(ones):.3f}")
+for lo, hi in ((0.0, 0.95), (0.95, 0.97), (0.97, 0.98), (0.98, 1.02)):
+    ratios = [r["timed_over_topk"] / r["aa"] for r in with_aa
+              if r["groups"] > 1 and lo <= r["trial_over_single"] < hi]
+    if ratios:
+        print(f"  several groups, trial {lo:.2f}-{hi:.2f}: {len(ratios)} runs, "
+              f"{min(ratios):.3f}-{max(ratios):.3f}, mean {statistics.mean(ratios):.3f}")

@@ -11,7 +11,9 @@ import math, random, statistics, sys
 from omgs_hook import plan_selection as ps
 
 def cand(name, i):
-    return ps.Candidate(name, tuple((j,) for j in range(i + 1)), tuple([False] * (i + 1)), 1.0)
+    # `single` is one sparse group (the trial's baseline), every other plan has several
+    groups = 1 if name == "single" else i + 2
+    return ps.Candidate(name, tuple((j,) for j in range(groups)), tuple([False] * groups), 1.0)
 
 class Host:
     """Synthetic step times: a phase (AR(1) in log space) the forward follows by
