@@ -265,6 +265,21 @@ def test_quick_runs_on_a_faster_link_unless_a_rate_is_given():
     assert given == {("resnet20", 2): "20mbit"}
 
 
+def test_the_benchmark_rates_give_the_measured_rows_a_ratio_of_four():
+    # the rows the rates were re-derived from (compute-only and all-reduce medians, ms,
+    # at the old rate; BENCH_RATES's comment), through netem_cluster.matching_rate
+    netem = load_script("netem_cluster")
+    rows = {("resnet20", 2): (64.2, 529.7, 20e6), ("resnet20", 4): (146.3, 1273.2, 14e6),
+            ("resnet20", 8): (342.5, 3803.7, 5e6), ("vgg16", 4): (806.5, 6047.0, 185e6)}
+    for (model, nodes), (compute, iteration, rate) in rows.items():
+        derived = netem.matching_rate(compute, iteration, rate, target_ratio=4)
+        chosen = netem.parse_rate(bench.default_rate(model, nodes))
+        assert abs(chosen - derived) / derived < 0.02, (model, nodes, chosen, derived)
+    # configurations without a re-derived rate keep the older tables
+    assert bench.default_rate("vgg16", 2) == bench.VGG16_RATES[2]
+    assert bench.default_rate("resnet20", 3) is None
+
+
 def test_the_a_a_control_is_on_request_and_reported_as_the_noise_floor():
     # not run unless asked for: the default hooks leave it out, --hooks can name it
     assert "topk_again" not in bench.parse_args([]).hooks
