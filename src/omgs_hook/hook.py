@@ -40,7 +40,8 @@ proposal. After it the hook runs a bounded *trial* (:mod:`omgs_hook.plan_selecti
 few candidate plans, each for a few ordinary training steps on a schedule fixed by step
 number, each timed from the previous step's end to its own (a step ends with its last
 collective, at about the same moment on every rank); the slowest rank's times,
-all-gathered, decide. The winner is kept until the model's inputs change (or, once
+all-gathered, decide (a plan other than TopK-SGD's one group must read more than 3%
+faster than it). The winner is kept until the model's inputs change (or, once
 settled, it runs slower than the trial's runner-up measured: the two are tried again).
 ``select="model"`` is the plain model plan (with ``allow_dense=False``: the paper's
 algorithm). ``plan=`` pins a plan: no re-planning, no trial.
@@ -532,7 +533,11 @@ class OMGSState:
             ``flat:single`` on the flat exchange; duplicates
             and plans the model predicts over 1.5x its best are left out; every one
             with ``min_sparse_numel``'s floor) and keeps the
-            fastest by the slowest rank's step time. ``"model"``: the cost model's plan
+            fastest by the slowest rank's step time, except that a plan other than
+            TopK-SGD's one sparse group has to read more than 3% faster than it to be
+            chosen over it (``plan_selection.BASELINE_MARGIN``: within that, over the
+            stored cluster runs, the trial's lead of a multi-group plan was not real).
+            ``"model"``: the cost model's plan
             as is (with ``allow_dense=False`` this is the OMGS paper's algorithm,
             unchanged). Only ``strategy="optimal"`` has a full candidate set; another
             strategy's trial only compares its plan with the same groups all sparse,
