@@ -29,11 +29,12 @@ def no_duel_unless_asked(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def no_baseline_margin_unless_asked(monkeypatch):
+def no_baseline_rules_unless_asked(monkeypatch):
     """The tests of the schedule and the rounds compare candidates as measured (many of
-    them have one sparse group, the baseline's shape); the margin's own tests pass
-    ``baseline_margin``."""
+    them have one sparse group, the baseline's shape); the baseline's own tests pass
+    ``baseline_margin`` and ``baseline_window``."""
     monkeypatch.setattr(plan_selection, "BASELINE_MARGIN", 0.0)
+    monkeypatch.setattr(plan_selection, "BASELINE_WINDOW", 0.0)
 
 
 def instance(dense=True, units=6, slow_network=False):
@@ -1476,3 +1477,55 @@ def test_the_regret_check_weighs_the_rival_as_the_trial_did():
     assert plan_selection.regret_rival(dict(report, baseline_margin=0.0), 1.04)["name"] == "optimal"
     assert plan_selection.regret_rival(report, 1.04) is None
     assert plan_selection.regret_rival(report, 1.06)["name"] == "optimal"
+
+
+def test_the_baseline_reaches_the_confirm_round_within_its_wider_window():
+    cands = [cand("optimal", [[0], [1], [2]]), cand("two", [[0, 1], [2]]),
+             cand("three", [[0], [1, 2]]), cand("single", [[0, 1, 2]])]
+    # the screen reads "single" 1.35x the best: beyond the 30% window, within 60%
+    trial = Trial(cands, 0, baseline_margin=0.0, baseline_window=0.6)
+    step, rows = run_round(trial, [[1.0, 1.05, 1.1, 1.35]])
+    assert trial.finish_round(rows, step) is None
+    # it takes the last of the three places ("three", 1.1, is left out)
+    assert trial.round_kinds[-1] == "confirm" and sorted(trial.rounds[-1]) == [0, 1, 3]
+    # with no window of its own (0) the screen alone decides, as before
+    trial = Trial(cands, 0, baseline_margin=0.0, baseline_window=0.0)
+    step, rows = run_round(trial, [[1.0, 1.05, 1.1, 1.35]])
+    trial.finish_round(rows, step)
+    assert sorted(trial.rounds[-1]) == [0, 1, 2]
+    # beyond its window too: left out
+    trial = Trial(cands, 0, baseline_margin=0.0, baseline_window=0.3)
+    step, rows = run_round(trial, [[1.0, 1.05, 1.1, 1.35]])
+    trial.finish_round(rows, step)
+    assert sorted(trial.rounds[-1]) == [0, 1, 2]
+    # once confirmed it can win: the screen's readings were a slow phase (a candidate's
+    # time weighs the screen's two turns against the confirm round's one)
+    trial = Trial(cands, 0, baseline_margin=0.0, baseline_window=0.6)
+    step, rows = run_round(trial, [[1.0, 1.05, 1.1, 1.35]])
+    trial.finish_round(rows, step)
+    winner, _ = decide(trial, [[1.0, 1.05, 1.1, 0.5]], first_step=step)
+    assert winner == 3
+
+
+def test_the_baseline_window_keeps_the_trial_within_its_step_bound():
+    rng = random.Random(11)
+    for _ in range(100):
+        n = rng.randint(2, MAX_CANDIDATES)
+        cands = [cand(f"c{i}", [[0], [1, i]]) for i in range(n - 1)] + [cand("single", [[0, 1]])]
+        rng.shuffle(cands)
+        trial = Trial(cands, 0, baseline_margin=0.03, baseline_window=0.6)
+        times = [[rng.uniform(1.0, 1.6) for _ in range(n)]]
+        _, end = decide(trial, times)
+        assert end <= trial.max_steps() == trial_steps_bound(n)
+
+
+def test_bad_baseline_windows_name_the_option_and_old_states_run_without():
+    for bad in (-0.1, "0.6", True, math.nan):
+        with pytest.raises(ValueError, match="baseline_window"):
+            Trial(with_baseline(), 0, baseline_window=bad)
+    trial = Trial(with_baseline(), 0, baseline_window=0.5)
+    assert Trial.from_state_dict(trial.state_dict()).baseline_window == 0.5
+    assert trial.report()["baseline_window"] == 0.5
+    old = trial.state_dict()
+    old.pop("baseline_window")
+    assert Trial.from_state_dict(old).baseline_window == 0.0

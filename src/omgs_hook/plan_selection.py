@@ -115,6 +115,16 @@ DUEL_STEPS = 1
 #: the trial's lead of a multi-group plan was not real, and VGG-16 (4 shaped ranks) ran
 #: 0.96x TopK-SGD after its duel read a 2-group plan 0.992 of ``single``
 BASELINE_MARGIN = 0.03
+#: the baseline reaches the confirm round whenever the screen read it within this
+#: fraction of the best (wider than ``CONFIRM_WINDOW``), taking the round's last place
+#: when it is full: two screen turns in host phases 20-30% apart, each divided by its
+#: pace, are too few to rule out the plan the default must not lose to. On the held-out
+#: MLP-Mixer (4 shaped ranks), where TopK-SGD's one group was the fastest plan, the
+#: screen read it 1.35x the best twice in 16 runs and left it out (docs/benchmarks.md).
+#: Offline (docs/results/extra/trial_sim/baseline_window.py) it moved the mean regret
+#: from 0.44% to 0.32% (`single` best by 5%) and 0.60% to 0.46% (best by 1%), against
+#: 1.04% to 1.14% and 1.56% to 1.63% where a multi-group plan was best by 2% and 12%
+BASELINE_WINDOW = 0.6
 #: the trials that run no duel: later ones (a periodic re-plan's, which share the
 #: ``RETRIAL_SHARE`` budget, and the regret trial, itself a side-by-side re-check)
 LATER_TRIALS = ("periodic", "regret")
@@ -564,6 +574,7 @@ class Trial:
        speeds up over its first steps) costs every candidate alike where it is linear;
     2. *confirm*: the candidates within ``confirm_window`` of the screen's best (at most
        ``max_confirm``, best first), in reverse index order, ``confirm`` counted steps;
+       the baseline (below) also when within ``baseline_window``, in the last place;
     3. *tie-break*: the confirmed candidates within ``max(near_tie, noise_tie * noise)``
        of the best (at most ``max_remeasure``), ``tiebreak_turns`` turns each in mirrored
        order (index order, then reverse: ``a b c c b a``), ``tiebreak`` counted steps per
@@ -599,6 +610,14 @@ class Trial:
     turns per trial are retaken, so the budget stays bounded (:func:`trial_steps_bound`).
     Without probes (NaN: e.g. on CUDA, where the host clock would time launches) no
     step is disturbed and the trial is the plain three-round one.
+
+    *Baseline.* TopK-SGD's one sparse group (:attr:`Candidate.is_baseline`) is the plan
+    the default must never lose to. Every other candidate's time counts ``1 +
+    baseline_margin`` times in every decision (:meth:`weight`: the screen's windows, the
+    tie margin, the winner, the duel), so it is chosen over the baseline only when it
+    reads more than the margin faster; and the baseline reaches the confirm round when
+    the screen read it within ``baseline_window`` of the best. Without a baseline among
+    the candidates every weight is the same and nothing moves.
 
     *Duel.* Once the rounds above have a winner, it and its runner-up (the best other
     member of the deciding round, if within ``confirm_window`` of it) alternate for
@@ -639,7 +658,8 @@ class Trial:
                  screen_passes: int = SCREEN_PASSES, lead: int = 0,
                  tiebreak: int = TIEBREAK_STEPS, tiebreak_turns: int = TIEBREAK_TURNS,
                  adjust_pace: Optional[bool] = None, duel_pairs: Optional[int] = None,
-                 duel_steps: int = DUEL_STEPS, baseline_margin: Optional[float] = None):
+                 duel_steps: int = DUEL_STEPS, baseline_margin: Optional[float] = None,
+                 baseline_window: Optional[float] = None):
         if len(candidates) < 1:
             raise ValueError("a trial needs at least one candidate")
         if settle < 0 or measure < 1 or confirm < 1 or tiebreak < 1:
@@ -664,6 +684,12 @@ class Trial:
                 or not 0.0 <= baseline_margin < 1.0:
             raise ValueError(f"baseline_margin must be a number in [0, 1), got {baseline_margin!r}")
         self.baseline_margin = float(baseline_margin)
+        if baseline_window is None:  # (read now, as SPELL_FACTOR)
+            baseline_window = BASELINE_WINDOW
+        if isinstance(baseline_window, bool) or not isinstance(baseline_window, (int, float)) \
+                or not baseline_window >= 0.0:
+            raise ValueError(f"baseline_window must be a number >= 0, got {baseline_window!r}")
+        self.baseline_window = float(baseline_window)
         self.duel_pairs = int(duel_pairs)
         self.duel_steps = int(duel_steps)
         # {"winner", "rival": candidate indices, "ratios": per pair} once the duel started
@@ -964,6 +990,12 @@ class Trial:
             if kind == SCREEN:
                 limit = times[best] * (1.0 + self.confirm_window)
                 contenders = [i for i in ranked if times[i] <= limit][:self.max_confirm]
+                # the baseline, when within its wider window, takes the last place
+                reach = times[best] * (1.0 + self.baseline_window)
+                base = [i for i in ranked if self.candidates[i].is_baseline
+                        and i not in contenders and times[i] <= reach]
+                if base and self.max_confirm > 1:
+                    contenders = contenders[:self.max_confirm - 1] + base[:1]
                 if len(contenders) > 1:
                     self._next_round(CONFIRM, sorted(contenders, reverse=True), step)
                     return None
@@ -1088,6 +1120,7 @@ class Trial:
                 "retaken": [self.candidates[i].name for i in self._members(RETAKE)],
                 "noise": self.noise, "turn_noise": self.turn_noise(),
                 "baseline_margin": self.baseline_margin,
+                "baseline_window": self.baseline_window,
                 "duel": self.duel_report(),
                 "steps": sum(self.steps_run()), "excess_steps": self.excess_steps(),
                 "candidates": out}
@@ -1113,6 +1146,7 @@ class Trial:
                 "screen_passes": self.screen_passes, "lead": self.lead,
                 "duel_pairs": self.duel_pairs, "duel_steps": self.duel_steps,
                 "baseline_margin": self.baseline_margin,
+                "baseline_window": self.baseline_window,
                 "duel": (None if self.duel is None else
                          {"winner": self.duel["winner"], "rival": self.duel["rival"],
                           "ratios": list(self.duel["ratios"])}),
@@ -1160,7 +1194,8 @@ class Trial:
                     duel_pairs=int(sd.get("duel_pairs", 0)),
                     duel_steps=int(sd.get("duel_steps", DUEL_STEPS)),
                     # a state saved before the baseline's margin: its trial goes on without
-                    baseline_margin=float(sd.get("baseline_margin", 0.0)))
+                    baseline_margin=float(sd.get("baseline_margin", 0.0)),
+                    baseline_window=float(sd.get("baseline_window", 0.0)))
         duel = sd.get("duel")
         trial.duel = (None if duel is None else
                       {"winner": int(duel["winner"]), "rival": int(duel["rival"]),
