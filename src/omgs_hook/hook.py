@@ -536,7 +536,9 @@ class OMGSState:
             fastest by the slowest rank's step time, except that a plan other than
             TopK-SGD's one sparse group has to read more than 3% faster than it to be
             chosen over it (``plan_selection.BASELINE_MARGIN``: within that, over the
-            stored cluster runs, the trial's lead of a multi-group plan was not real).
+            stored cluster runs, the trial's lead of a multi-group plan was not real),
+            and that plan goes on to the confirm round whenever the screen read it
+            within 60% of the best (``BASELINE_WINDOW``).
             ``"model"``: the cost model's plan
             as is (with ``allow_dense=False`` this is the OMGS paper's algorithm,
             unchanged). Only ``strategy="optimal"`` has a full candidate set; another
