@@ -232,6 +232,12 @@ class Candidate:
                    predicted_s=float(plan.predicted_iteration_s), exchange=exchange)
 
 
+def baseline_weight(is_baseline, margin) -> float:
+    """What a candidate's time counts in a trial's decisions: 1 for the baseline
+    (:attr:`Candidate.is_baseline`), ``1 + margin`` (``baseline_margin``) for the others."""
+    return 1.0 if is_baseline else 1.0 + margin
+
+
 def dedupe(candidates: Sequence[Candidate], limit: Optional[int] = None) -> List[Candidate]:
     """Drop candidates whose (groups, dense, exchange) an earlier one has; keep the first
     ``limit``."""
@@ -749,10 +755,14 @@ class Trial:
         return self.winner is not None
 
     def weight(self, index):
-        """What a candidate's time counts in the trial's decisions: 1 for the baseline
-        (:attr:`Candidate.is_baseline`), ``1 + baseline_margin`` for the others. Without a
-        baseline among the candidates every weight is the same, and no decision moves."""
-        return 1.0 if self.candidates[index].is_baseline else 1.0 + self.baseline_margin
+        """:func:`baseline_weight` of candidate ``index``. Without a baseline among the
+        candidates every weight is the same, and no decision moves."""
+        return baseline_weight(self.candidates[index].is_baseline, self.baseline_margin)
+
+    def _duel_to_beat(self):
+        """The median ratio (rival over winner) the duel's rival must read below to take
+        over: 1 between equals, ``1 / (1 + margin)`` against the baseline, and so on."""
+        return self.weight(self.duel["winner"]) / self.weight(self.duel["rival"])
 
     def scored_s(self, index) -> float:
         """:meth:`measured_s` times :meth:`weight`: the time the decisions compare."""
@@ -1036,8 +1046,7 @@ class Trial:
         self.duel["ratios"] = ratios
         # (no pair known - every sample missing: the rounds before decide); the rival's
         # reading counts with its weight, as in the rounds before
-        scale = self.weight(rival) / self.weight(winner)
-        self.winner = (rival if ratios and statistics.median(ratios) * scale < 1.0
+        self.winner = (rival if ratios and statistics.median(ratios) < self._duel_to_beat()
                        else winner)
         self.decided_at = int(step)
         return self.winner
@@ -1052,8 +1061,7 @@ class Trial:
                 "rival": self.candidates[self.duel["rival"]].name,
                 "pairs": len(ratios), "planned_pairs": self.duel_pairs,
                 "median_ratio": statistics.median(ratios) if ratios else None,
-                # the ratio the rival had to read below to take over
-                "to_beat": self.weight(self.duel["winner"]) / self.weight(self.duel["rival"]),
+                "to_beat": self._duel_to_beat(),
                 "switched": self.done and self.winner == self.duel["rival"]}
 
     def _members(self, kind):
@@ -1260,10 +1268,11 @@ def regret_rival(report, settled_s, near_tie: float = NEAR_TIE,
     margin = tie_margin(report.get("noise"), near_tie, noise_tie)
     duel = report.get("duel") or {}
     dueled = {duel.get("winner"), duel.get("rival")} if duel.get("pairs") else set()
+    # (a report saved before the margin: every weight 1)
     handicap = float(report.get("baseline_margin") or 0.0)
 
-    def weight(c):  # (a report saved before the margin: every weight 1)
-        return 1.0 if c.get("baseline", False) or not handicap else 1.0 + handicap
+    def weight(c):
+        return baseline_weight(c.get("baseline", False), handicap)
 
     winner = next(c for c in candidates if c.get("winner"))
     rivals = [c for c in candidates if not c.get("winner") and c.get("measured_s")
