@@ -393,8 +393,29 @@ def test_the_hooks_medians_do_not_import_numpy_ma():
              "for n in (1000, 2000, 4000, 8000, 16000, 32000):\n"
              "    meter.add(n, 1e-8 * n, 1e-4)\n"
              "meter.estimate()\n"
+             "from omgs_hook.measurements import TopkTimeMeter\n"
+             "from omgs_hook.cost_model import TopkCost\n"
+             "topk = TopkTimeMeter()\n"
+             "for n in (1000, 2000, 4000):\n"
+             "    topk.add(n, 1e-4)\n"
+             "topk.scale(TopkCost(1e-5, 1e-9, 0.0))\n"
              "print('numpy.ma' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_quantile_is_numpys_default_quantile():
+    from omgs_hook.fitting import quantile
+
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 3, 10, 101):
+        values = rng.standard_normal(n)
+        for q in (0.0, 0.1, 0.5, 0.9, 1.0):
+            assert quantile(values, q) == pytest.approx(np.quantile(values, q), abs=1e-12)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="q must be in"):
+            quantile([1.0], bad)
+    with pytest.raises(ValueError, match="no values"):
+        quantile([], 0.5)

@@ -279,6 +279,35 @@ def straggler_worker(rank, world_size, delay_s):
             "instance": instance.to_dict(), "replans": stats["total"]["replans"]}
 
 
+def topk_scale_worker(rank, world_size):
+    """LAGS-SGD's plan under a profile whose top-k line is far below what any top-k here
+    costs: the planning input prices the top-k as training ran it."""
+    from omgs_hook.cost_model import TopkCost
+    from omgs_hook.profile_file import default_profile
+
+    tiny = TopkCost(c0=1e-8, c1=1e-13, c2=0.0)
+    profile = default_profile("cpu", world_size)
+    profile = dataclasses.replace(profile, topk=tiny,
+                                  topk_all={name: tiny for name in profile.topk_all})
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0)
+    state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=3, strategy="layerwise",
+                               allow_dense=False, select="model", profile=profile)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train_steps(ddp, opt, 0, 10, rank)
+    state._ingest_finished()
+    own = state._topk_scale_pair()
+    instance, inputs = state._build_instance(state.meter.layout)  # collective
+    out = {"own": own[0] if own else None, "scale": inputs["topk_scale"],
+           "topk": instance.topk.to_dict(), "overhead": inputs["group_overhead_s"],
+           "writeback": inputs["writeback_s"],
+           "planned_scale": state.stats()["planned_with"].get("topk_scale")}
+    del ddp, state
+    gc.collect()
+    return out
+
+
 def send_window_worker(rank, world_size):
     """LAGS-SGD's plan (a group per bucket): the send windows the last step noted."""
     torch.manual_seed(0)
@@ -834,6 +863,26 @@ def test_plan_is_made_for_the_slowest_rank():
     topk = instance["topk"]
     assert topk["c0"] >= planned["group_overhead_s"] + planned["writeback_s"]
     assert topk["c1"] >= planned["group_overhead_s_per_element"] + planned["writeback_s_per_element"]
+
+
+@pytest.mark.timeout(120)
+def test_the_plan_prices_the_top_k_as_training_ran_it():
+    """The profile times a bare top-k on a warm tensor; training's (fused with the
+    gradient + residual pass, cache-cold, beside the collectives' threads) took 2-3x
+    that on ResNet-20. The planning input scales the profile's line by the rank-mean of
+    each rank's measured factor, identically on every rank."""
+    results = run_ranks("test_hook_ddp", "topk_scale_worker", world_size=2)
+    first, second = results
+    assert first["scale"] == second["scale"] and first["topk"] == second["topk"]
+    assert first["scale"] == pytest.approx((first["own"] + second["own"]) / 2, rel=1e-12)
+    # a top-k of >= 1 element costs more than 1e-8 s on any machine
+    assert first["scale"] > 10, first
+    # the re-plans after the sparse steps used it too
+    assert first["planned_scale"] is not None and first["planned_scale"] > 10, first
+    # the line the model prices a group's compute-stream work with: the scaled top-k
+    # plus the hook's own measured work (h, w)
+    assert first["topk"]["c0"] == pytest.approx(
+        1e-8 * first["scale"] + first["overhead"] + first["writeback"], rel=1e-9)
 
 
 @pytest.mark.timeout(120)

@@ -12,12 +12,14 @@ first use (2-6x a later step with 2 gloo ranks).
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from omgs_hook import OMGSState
 from omgs_hook.group_exchange import GroupRecord
 
 
-def finished_step(step, collective_s, density=0.01, overhead=(1000, 2e-4, 1e-4), windows=()):
+def finished_step(step, collective_s, density=0.01, overhead=(1000, 2e-4, 1e-4), windows=(),
+                  topk=(1000, 5e-4)):
     """A fake finished exchange: one sparse group whose collective took ``collective_s``;
     ``windows``: its send windows (groups sent, untimed seconds)."""
     record = GroupRecord(keys=("w",), dense=False, numel=1000, selected=10, nbytes=80)
@@ -25,7 +27,7 @@ def finished_step(step, collective_s, density=0.01, overhead=(1000, 2e-4, 1e-4),
     return SimpleNamespace(
         nonfinite=False, error=None, finish_wall=20.0, records=[record], subgroups=None,
         density=density, overhead_samples=[overhead], writeback_samples=[(1000, 3e-4)],
-        window_samples=list(windows),
+        window_samples=list(windows), topk_samples=[topk],
         step_number=step, health=None, staleness=None, warmup=False, topk_s=1e-3, hook_s=2e-3)
 
 
@@ -99,3 +101,35 @@ def test_the_send_windows_untimed_seconds_join_each_groups_fixed_part():
     state._on_step_finished(finished_step(4, 0.01))
     state._ingest_finished(before_step=5)
     assert [f for _, _, f in state.overhead._samples][-1] == pytest.approx(1e-4)
+
+
+def set_up_as_on_cpu(state):
+    """What the first bucket sets up (the selector and profile), without a process group."""
+    from omgs_hook import topk as topk_mod
+    from omgs_hook.profile_file import default_profile
+
+    state._selector = topk_mod.get_selector("auto", torch.device("cpu"))
+    state.profile = default_profile("cpu", world_size=2)
+    return state
+
+
+def test_the_top_k_as_training_ran_it_is_fed_at_the_planned_density_and_checkpointed():
+    state = set_up_as_on_cpu(OMGSState(density=0.01))
+    line = state.profile.topk_for(state._selector.name)
+    state._on_step_finished(finished_step(1, 0.5, topk=(1000, 3 * line.time(1000))))
+    # the density warm-up's groups select another k: not the planned density's top-k
+    state._on_step_finished(finished_step(2, 0.01, density=0.25, topk=(1000, 1.0)))
+    state._on_step_finished(finished_step(3, 0.01, topk=(1000, 3 * line.time(1000))))
+    assert len(state.topk_times) == 0  # fed on the autograd thread, at the ingest
+    state._ingest_finished()
+    assert len(state.topk_times) == 2
+    assert state._topk_scale_pair() == (pytest.approx(3.0), 0.0)
+    resumed = set_up_as_on_cpu(OMGSState(density=0.01))
+    resumed.load_state_dict(state.state_dict())
+    assert resumed._topk_scale_pair() == state._topk_scale_pair()
+    # an older checkpoint has none: the profile's line stands until training measures
+    saved = state.state_dict()
+    del saved["topk_times"]
+    older = set_up_as_on_cpu(OMGSState(density=0.01))
+    older.load_state_dict(saved)
+    assert older._topk_scale_pair() is None

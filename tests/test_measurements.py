@@ -1,9 +1,12 @@
 """BackwardMeter (per-bucket backward, tail) and GroupOverheadMeter, with a fake clock."""
 
+import numpy as np
 import pytest
 
 from omgs_hook import measurements
-from omgs_hook.measurements import BackwardMeter, GroupOverheadMeter
+from omgs_hook.cost_model import TopkCost
+from omgs_hook.measurements import (BackwardMeter, GroupOverheadMeter, TopkTimeMeter,
+                                    clipped_mean)
 
 
 class FakeClock:
@@ -117,10 +120,10 @@ def test_group_overhead_fits_a_line_over_sizes():
     meter = GroupOverheadMeter()
     assert meter.estimate() is None
     for numel in (1000, 10_000, 100_000):
-        for _ in range(3):
+        for _ in range(20):
             total = 2e-4 + 3e-9 * numel
             meter.add(numel, total * 0.7, total * 0.3)
-    meter.add(1000, 1.0, 1.0)  # one outlier: the per-size median ignores it
+    meter.add(1000, 1.0, 1.0)  # one outlier in 21: clipped at the 90th percentile
     per_group, per_element = meter.estimate()
     assert per_group == pytest.approx(2e-4, rel=1e-6)
     assert per_element == pytest.approx(3e-9, rel=1e-6)
@@ -128,11 +131,75 @@ def test_group_overhead_fits_a_line_over_sizes():
 
 def test_group_overhead_with_one_size_uses_the_measured_split():
     meter = GroupOverheadMeter()
-    for element_pass in (4e-3, 5e-3, 6e-3):
+    for element_pass in (4e-3, 5e-3, 6e-3) * 10:
         meter.add(1_000_000, element_pass, 3e-4)
     per_group, per_element = meter.estimate()
     assert per_group == pytest.approx(3e-4)
+    # the clipped mean: 6e-3 is at the 90th percentile, so nothing is clipped
     assert per_element == pytest.approx(5e-9)
+
+
+def test_group_overhead_prices_the_mean_a_step_pays_not_the_median():
+    """A step pays the sum of its groups' work: 59 groups whose samples are usually 1e-4 s
+    but a fifth of the time 4e-4 s (preempted) cost 59 x 1.6e-4 s, not 59 x 1e-4 s."""
+    meter = GroupOverheadMeter()
+    for i in range(100):
+        meter.add(1000, 0.0, 4e-4 if i % 5 == 0 else 1e-4)
+    per_group, _ = meter.estimate()
+    assert per_group == pytest.approx(1.6e-4)  # the median would read 1e-4
+
+
+def test_clipped_mean_clips_at_the_ninetieth_percentile():
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 5, 40, 257):
+        values = rng.lognormal(sigma=1.5, size=n)
+        expected = np.minimum(values, np.quantile(values, 0.9)).mean()
+        assert clipped_mean(values) == pytest.approx(expected, rel=1e-12)
+        assert clipped_mean(list(values), q=1.0) == pytest.approx(values.mean(), rel=1e-12)
+    # a heavy tail: between the median and the mean (the top 5% clipped to the 90th
+    # percentile, 10)
+    values = [1.0] * 85 + [10.0] * 10 + [100.0] * 5
+    assert clipped_mean(values) == pytest.approx((85 + 15 * 10) / 100)
+    with pytest.raises(ValueError, match="no values"):
+        clipped_mean([])
+
+
+def test_topk_time_meter_scales_the_profile_line_by_what_training_measured():
+    line = TopkCost(c0=1e-4, c1=2e-9, c2=0.0)
+    meter = TopkTimeMeter()
+    assert meter.scale(line) is None
+    for numel in (1000, 50_000, 270_000):
+        for _ in range(20):
+            meter.add(numel, 2.5 * line.time(numel))
+    assert meter.scale(line) == pytest.approx(2.5)
+    # a rare preemption is clipped at the 90th percentile of the ratios
+    meter.add(1000, 1000 * line.time(1000))
+    assert meter.scale(line) == pytest.approx(2.5)
+    # the factor weighs each sample by its profile time: a step's total, not the mean
+    # of the ratios (small groups at 4x, one large at 1x: far below the ratios' mean)
+    mixed = TopkTimeMeter()
+    for _ in range(9):
+        mixed.add(1000, 4 * line.time(1000))
+    mixed.add(1_000_000, 1 * line.time(1_000_000))
+    weights = 9 * line.time(1000), line.time(1_000_000)
+    assert mixed.scale(line) == pytest.approx(
+        (4 * weights[0] + 1 * weights[1]) / sum(weights), rel=1e-9)
+    assert mixed.scale(TopkCost(0.0, 0.0, 0.0)) is None  # nothing to scale
+    restored = TopkTimeMeter()
+    restored.load_state_dict(meter.state_dict())
+    assert restored.scale(line) == meter.scale(line) and len(restored) == len(meter)
+
+
+def test_topk_time_meter_rejects_bad_samples_and_keeps_a_window():
+    meter = TopkTimeMeter(window=3)
+    for bad in ((0, 1e-3), (10, -1.0), (10, float("nan"))):
+        with pytest.raises(ValueError, match="bad top-k time sample"):
+            meter.add(*bad)
+    for seconds in (1.0, 2.0, 3.0, 4.0):
+        meter.add(10, seconds)
+    assert len(meter) == 3
+    with pytest.raises(ValueError, match="window"):
+        TopkTimeMeter(window=0)
 
 
 def test_group_overhead_rejects_bad_samples_and_round_trips():

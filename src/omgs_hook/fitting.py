@@ -72,6 +72,22 @@ def median(values, axis=None):
     return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
+def quantile(values, q):
+    """The ``q`` quantile of ``values`` (1-D) as ``np.quantile`` computes it by default
+    (linear interpolation between the two nearest ranks), from a sort: ``np.quantile``
+    imports ``numpy.ma`` at its first call (see :func:`median`)."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile: q must be in [0, 1], got {q!r}")
+    ordered = np.sort(np.asarray(values, dtype=np.float64).ravel())
+    n = ordered.size
+    if n == 0:
+        raise ValueError("quantile of no values")
+    position = q * (n - 1)
+    low = int(position)
+    high = min(low + 1, n - 1)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+
+
 def _distinct(values):
     """How many distinct values ``values`` (1-D) holds: ``np.unique(values).size``
     without ``np.unique``, which imports ``numpy.ma`` at its first call (see

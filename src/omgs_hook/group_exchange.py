@@ -159,6 +159,10 @@ class StepExchange:
         # per sparse group: (elements, assembling + NaN-check seconds, packing + issuing
         # seconds) - the hook's own cost besides top-k (measurements.GroupOverheadMeter)
         self.overhead_samples = []
+        # per sparse group: (elements, seconds) of its top-k as training runs it (fused
+        # with the gradient + residual pass on the host) - the profile times a bare
+        # select on a warm tensor (measurements.TopkTimeMeter)
+        self.topk_samples = []
         # per sparse group: (elements, seconds) of the receive side - unpacking, the
         # scatter-add, averaging, writing back - once the collective completed
         self.writeback_samples = []
@@ -485,6 +489,7 @@ class StepExchange:
                                                 cleared),
                     record, defer=acc.device.type == "cpu")
         self.topk_s += selected - selecting
+        self.topk_samples.append((numel, selected - selecting))
         # the rest of the group's work on this thread, for the cost model
         self.overhead_samples.append((numel, selecting - started, time.perf_counter() - selected))
 

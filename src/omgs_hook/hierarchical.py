@@ -252,6 +252,7 @@ def sparse_group(ex, keys, numel, record):
     work = communicator.all_gather_flat(gathered, payload, group=groups.inter, async_op=True)
     _time_inter(ex, work, record, inter_issued)
     ex.topk_s += selected - selecting
+    ex.topk_samples.append((acc.numel(), selected - selecting))  # the shard's top-k
     ex.overhead_samples.append((numel, (assembled - started) + (selecting - resumed),
                                 time.perf_counter() - selected))
     yield work

@@ -81,9 +81,9 @@ from .cost_model import (Instance, InstanceError, LinearCost, TopkCost, Unit, ch
 from .background_planner import BackgroundPlanner
 from .group_exchange import StepExchange
 from .group_plan import GroupPlan, check_exchange
-from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, comm_sums,
-                           least_median_factor, slowest_rank_timeline, two_level_comm_sums,
-                           untimed_per_group_s)
+from .measurements import (BackwardMeter, CommTimeMeter, GroupOverheadMeter, TopkTimeMeter,
+                           comm_sums, least_median_factor, slowest_rank_timeline,
+                           two_level_comm_sums, untimed_per_group_s)
 from .profile_file import (Profile, default_profile, load_profile, profile_bandwidth_gaps,
                            profile_mismatches)
 from .residual_memory import ResidualMemory, check_residuals, squared_norm
@@ -373,6 +373,12 @@ def _parse_pinned_plan(plan):
             raise ValueError(f"plan: {exc}") from None
         return ("units", units, tuple(dense), predicted, exchange)
     raise ValueError("plan: groups must hold parameter names or bucket indices, not a mix")
+
+
+def _scaled_topk(topk, factor):
+    """The profile's top-k line ``topk`` times ``factor``: the top-k as training runs it
+    (:class:`~omgs_hook.measurements.TopkTimeMeter`; docs/cost-model.md)."""
+    return TopkCost(c0=topk.c0 * factor, c1=topk.c1 * factor, c2=topk.c2 * factor)
 
 
 def _corrected(base, correction, exchange=None):
@@ -860,6 +866,7 @@ class OMGSState:
         self.meter = BackwardMeter(window=measure_window)
         self.overhead = GroupOverheadMeter()
         self.writeback = GroupOverheadMeter()
+        self.topk_times = TopkTimeMeter()
         self._awaiting_overhead = False
         self._planned_with = None
         self.plan = None
@@ -2265,6 +2272,12 @@ class OMGSState:
             raise RuntimeError("omgs_hook: no measured step yet, nothing to plan")
         return self._build_instance(layout)[0]
 
+    def _topk_scale_pair(self):
+        """``(factor, 0.0)`` of the top-k measured in training over the profile's line
+        (:class:`~omgs_hook.measurements.TopkTimeMeter`), or None before a sample."""
+        factor = self.topk_times.scale(self.profile.topk_for(self._selector.name))
+        return None if factor is None else (factor, 0.0)
+
     def _on_host(self):
         return self._device is None or self._device.type == "cpu"
 
@@ -2297,6 +2310,9 @@ class OMGSState:
             (fit.alpha_s, fit.beta_s_per_byte) if fit is not None else None,
             self.overhead.estimate() if on_host else None,
             self.writeback.estimate() if on_host else None,
+            # the top-k as training runs it, against the profile's (the same line on
+            # every rank: one profile, one selector)
+            self._topk_scale_pair() if on_host else None,
         ]
         for pair in optional:  # each as a, b, known
             local += [pair[0], pair[1], 1.0] if pair is not None else [0.0, 0.0, 0.0]
@@ -2339,11 +2355,14 @@ class OMGSState:
         slowest = self._slowest_rank_timeline(tables, layout)
         if slowest is not None:
             tail_s, forward_s, backward_s = slowest[0], slowest[1], slowest[2:]
-        refit, overhead, writeback = (agreed_pair(i) for i in range(meta["optional"]))
+        refit, overhead, writeback, topk_scale = (agreed_pair(i)
+                                                  for i in range(meta["optional"]))
         # what the network itself costs: the profile's, or the online refit
         network = self.profile.comm if refit is None else LinearCost(*refit)
         comm = network
         topk = self.profile.topk_for(self._selector.name)
+        if topk_scale is not None and topk_scale[0] > 0:
+            topk = _scaled_topk(topk, topk_scale[0])
         overhead_known = overhead is not None
         per_group, per_element = overhead or (0.0, 0.0)
         wb_group, wb_element = writeback or (0.0, 0.0)
@@ -2429,6 +2448,7 @@ class OMGSState:
                   "overhead_measured": overhead_known,
                   "correction": correction.to_dict() if correction is not None else None,
                   "writeback_s": wb_group, "writeback_s_per_element": wb_element,
+                  "topk_scale": topk_scale[0] if topk_scale is not None else None,
                   "comm_override": network if network is not self.profile.comm else None,
                   "two_level_model": two_level is not None,
                   "comm_scale": scales, "two_level_scale": two_level_scales,
@@ -2691,6 +2711,7 @@ class OMGSState:
             "postponed": self._check_postponed,
             "forward_load": self._planned_with.get("forward_load"),
             "comm_scale": dict(self._planned_with.get("comm_scale") or {}),
+            "topk_scale": self._planned_with.get("topk_scale"),
             "two_level_scale": (dict(self._planned_with["two_level_scale"])
                                 if self._planned_with.get("two_level_scale") else None),
             "correction": (self._correction.to_dict()
@@ -2897,7 +2918,7 @@ class OMGSState:
         # running on the autograd thread while its last collective completes)
         self._finished.append((exchange.step_number, flat, sums, exchange.density,
                                exchange.overhead_samples, exchange.writeback_samples,
-                               exchange.window_samples))
+                               exchange.window_samples, exchange.topk_samples))
         records = exchange.records
         numel = sum(r.numel for r in records)
         selected = sum(r.selected for r in records)
@@ -2959,7 +2980,7 @@ class OMGSState:
         finished = self._finished
         while finished and (before_step is None or finished[0][0] < before_step):
             (_, flat, sums, density, overhead_samples, writeback_samples,
-             windows) = finished.popleft()
+             windows, topk_samples) = finished.popleft()
             if sums is not None:
                 if not self._collectives_warm:
                     self._collectives_warm = True  # the process group's first use
@@ -2971,6 +2992,9 @@ class OMGSState:
                     self.overhead.add(numel, element_pass, fixed + untimed)
                 for numel, seconds in writeback_samples:
                     self.writeback.add(numel, seconds, 0.0)
+                if self._on_host():  # (on CUDA the host times a launch, not the kernel)
+                    for numel, seconds in topk_samples:
+                        self.topk_times.add(numel, seconds)
 
     def _last_with_hook_time(self):
         if not self._last:
@@ -3034,9 +3058,11 @@ class OMGSState:
         at the end of a step and, once their all-gather has arrived, planning from them
         at the next bucket 0, the two together; switching plans at the start of a step;
         the wait for the planner included), ``"planned_with"`` (the forward, tail and
-        per-group overhead the last plan was made with, and ``"comm_scale"``: the factors
+        per-group overhead the last plan was made with, ``"comm_scale"``: the factors
         ``measured_comm`` applied to the sparse and dense collective costs, None where
-        there was nothing to measure), ``"model_check"`` (the model against reality for
+        there was nothing to measure, and ``"topk_scale"``: the factor the profile's
+        top-k line was multiplied by, the top-k as training ran it on the host - None
+        before a sparse step and on CUDA), ``"model_check"`` (the model against reality for
         the plan in use: ``CHECK_SETTLE_STEPS`` = 5 steps after a plan goes into use, it
         is re-evaluated with the times measured in its own steps - ``predicted_s``,
         beside ``planned_s`` that it was chosen with - and compared with the slowest
@@ -3319,6 +3345,7 @@ class OMGSState:
             "measurements": self.meter.state_dict(),
             "group_overhead": self.overhead.state_dict(),
             "writeback": self.writeback.state_dict(),
+            "topk_times": self.topk_times.state_dict(),
             "awaiting_overhead": self._awaiting_overhead,
             "refit": self._fitter.state_dict() if self._fitter is not None else None,
             "totals": dict(self._totals),
@@ -3517,6 +3544,7 @@ class OMGSState:
         self.meter.load_state_dict(sd.get("measurements") or {})
         self.overhead.load_state_dict(sd.get("group_overhead") or {})
         self.writeback.load_state_dict(sd.get("writeback") or {})
+        self.topk_times.load_state_dict(sd.get("topk_times") or {})
         self._awaiting_overhead = bool(sd.get("awaiting_overhead", False)) and self.plan is not None
         if self._fitter is not None and sd.get("refit"):
             self._fitter.load_state_dict(sd["refit"])
