@@ -1,3 +1,12 @@
+"""Is the library default slower than TopK-SGD when both run the same plan?
+(docs/benchmarks.md, the 4dcf9c7 re-run.) ResNet-20 on 2 ranks: TopK-SGD twice (the A/A
+pair), the default after its trial, and the default's options with the plan it chose
+pinned, in interleaved rounds of 5 steps; prints each one's median step (slowest rank)
+over TopK-SGD's. Self-contained, like the other probes here.
+
+    DENS=0.01 ROUNDS=30 PROFILE=profile.json PYTHONPATH=src \
+        python scripts/netem_cluster.py --nodes 2 --rate 36mbit -- python default_overhead_ab.py
+"""
 import os, sys, json, time, statistics, datetime, gc
 import torch, torch.distributed as dist
 import torch.nn.functional as F
