@@ -340,3 +340,15 @@ def test_units_of_equals_the_constructor_and_names_bad_values_the_same_way():
         Unit(numel=3, backward_s=0.5),)
     with pytest.raises(ValueError, match="2 sizes for 1"):
         units_of([1, 2], [0.0])
+
+
+def test_scaled_lines_multiply_every_term_and_leave_the_original():
+    line = LinearCost(alpha_s=2e-4, beta_s_per_byte=3e-9)
+    doubled = line.scaled(2.5)
+    assert (doubled.alpha_s, doubled.beta_s_per_byte) == (2e-4 * 2.5, 3e-9 * 2.5)
+    assert doubled.time(1000) == pytest.approx(2.5 * line.time(1000))
+    assert line == LinearCost(alpha_s=2e-4, beta_s_per_byte=3e-9)
+    topk = TopkCost(c0=1e-4, c1=2e-9, c2=3e-11)
+    tripled = topk.scaled(3.0)
+    assert (tripled.c0, tripled.c1, tripled.c2) == (1e-4 * 3.0, 2e-9 * 3.0, 3e-11 * 3.0)
+    assert tripled.time(50_000) == pytest.approx(3.0 * topk.time(50_000))

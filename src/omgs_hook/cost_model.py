@@ -256,6 +256,11 @@ class LinearCost:
     def time(self, nbytes: float) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
 
+    def scaled(self, factor: float) -> "LinearCost":
+        """This line times ``factor`` (both terms): a measured collective's factor."""
+        return LinearCost(alpha_s=self.alpha_s * factor,
+                          beta_s_per_byte=self.beta_s_per_byte * factor)
+
     def to_dict(self) -> dict:
         return {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte}
 
@@ -291,6 +296,10 @@ class TopkCost:
 
     def time(self, numel: float) -> float:
         return self.c0 + self.c1 * numel + self.c2 * numel * math.log2(numel)
+
+    def scaled(self, factor: float) -> "TopkCost":
+        """This cost times ``factor`` (every term): the top-k as training runs it."""
+        return TopkCost(c0=self.c0 * factor, c1=self.c1 * factor, c2=self.c2 * factor)
 
     def to_dict(self) -> dict:
         return {"c0": self.c0, "c1": self.c1, "c2": self.c2}

@@ -375,12 +375,6 @@ def _parse_pinned_plan(plan):
     raise ValueError("plan: groups must hold parameter names or bucket indices, not a mix")
 
 
-def _scaled_topk(topk, factor):
-    """The profile's top-k line ``topk`` times ``factor``: the top-k as training runs it
-    (:class:`~omgs_hook.measurements.TopkTimeMeter`; docs/cost-model.md)."""
-    return TopkCost(c0=topk.c0 * factor, c1=topk.c1 * factor, c2=topk.c2 * factor)
-
-
 def _corrected(base, correction, exchange=None):
     """``base`` (the flat model from the measurements) plus what the last trial measured
     beyond it (a :class:`plan_selection.Correction`): the top-k's fixed cost gains its
@@ -2373,7 +2367,8 @@ class OMGSState:
         comm = network
         topk = self.profile.topk_for(self._selector.name)
         if topk_scale is not None and topk_scale[0] > 0:
-            topk = _scaled_topk(topk, topk_scale[0])
+            # the top-k as training runs it (measurements.TopkTimeMeter)
+            topk = topk.scaled(topk_scale[0])
         overhead_known = overhead is not None
         per_group, per_element = overhead or (0.0, 0.0)
         wb_group, wb_element = writeback or (0.0, 0.0)
@@ -2437,9 +2432,8 @@ class OMGSState:
                     if derived is not None and factor is not None:
                         # the derived inter-node all-reduce is linear in the flat dense
                         # line: scaling that line scales it by the same factor
-                        two_level_base = dataclasses.replace(two_level_base, dense=LinearCost(
-                            alpha_s=plain_dense.alpha_s * factor,
-                            beta_s_per_byte=plain_dense.beta_s_per_byte * factor))
+                        two_level_base = dataclasses.replace(
+                            two_level_base, dense=plain_dense.scaled(factor))
         # kept for the model check, which refits the correction against these bases
         self._base_instance = (tuple(tuple(b) for b in layout), base, two_level, two_level_base)
         # what the last trial measured beyond the model (plan_selection.Correction)
@@ -2483,11 +2477,9 @@ class OMGSState:
         for kind, at, line, bytes_per in (("sparse", 0, comm, 1), ("dense", 3, dense, 4)):
             factors[kind] = least_median_factor(rows, at, line, bytes_per)
         if factors["sparse"] is not None:
-            comm = LinearCost(alpha_s=comm.alpha_s * factors["sparse"],
-                              beta_s_per_byte=comm.beta_s_per_byte * factors["sparse"])
+            comm = comm.scaled(factors["sparse"])
         if factors["dense"] is not None:
-            dense = LinearCost(alpha_s=dense.alpha_s * factors["dense"],
-                               beta_s_per_byte=dense.beta_s_per_byte * factors["dense"])
+            dense = dense.scaled(factors["dense"])
         return comm, dense, factors
 
     @staticmethod
@@ -2515,8 +2507,7 @@ class OMGSState:
         def scaled(line, factor):
             if line is None or factor is None:
                 return line
-            return LinearCost(alpha_s=line.alpha_s * factor,
-                              beta_s_per_byte=line.beta_s_per_byte * factor)
+            return line.scaled(factor)
 
         return (per_node, scaled(intra, factors["intra"]), scaled(inter, factors["inter"]),
                 scaled(inter_dense, factors["inter_dense"])), factors

@@ -545,10 +545,10 @@ class TopkTimeMeter:
         ``time(numel)``), or None without samples (or a line that prices them at 0)."""
         if not self._samples:
             return None
-        sizes = np.fromiter((n for n, _ in self._samples), dtype=np.float64)
-        seconds = np.fromiter((t for _, t in self._samples), dtype=np.float64)
+        count = len(self._samples)
+        seconds = np.fromiter((t for _, t in self._samples), dtype=np.float64, count=count)
         priced = np.fromiter((cost.time(n) for n, _ in self._samples), dtype=np.float64,
-                             count=len(sizes))
+                             count=count)
         usable = priced > 0
         if not usable.any():
             return None
