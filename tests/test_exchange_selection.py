@@ -21,6 +21,7 @@ from omgs_hook.plan_selection import MAX_CANDIDATES
 from reference_omgs import reference_step
 from test_hierarchical import (DENSITY, GROUPS, NODES, PER_NODE, WORLD, Net, batch,
                                flat_residuals, gather, loss_fn, two_level_reference)
+from test_hook_selection import fake_planning_inputs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -200,6 +201,9 @@ def build(rank, **options):
     state = omgs_hook.register(ddp, density=DENSITY, warmup_steps=2, **options)
     state._clock = FakeClock(state, rank)
     state._load_probe = lambda: 0.01  # no load spell: the fake clock decides
+    # the model's inputs fixed too: measured per-group work can price the flat
+    # candidates of this small net over PRUNE_FACTOR times the best and leave them out
+    fake_planning_inputs(state)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, ddp, state, opt
 
@@ -217,7 +221,10 @@ def trial_worker(rank, world_size, steps, ckpt_dir=None, save_at=False):
     out = {}
     # an explicit topology="hierarchical": the trial's candidates are all two-level
     model, ddp, state, opt = build(rank, topology="hierarchical")
-    train(ddp, opt, 0, 6, rank)
+    for step in range(20):  # until the trial starts (after the sparse lead)
+        train(ddp, opt, step, step + 1, rank)
+        if state._trial is not None:  # (gathered decisions: the same step on every rank)
+            break
     trial = state.stats()["selection"]["trial"]
     out["explicit"] = [(c["name"], c["exchange"]) for c in trial["candidates"]]
     del ddp, state, model, opt

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import omgs_hook
 from omgs_hook import background_planner, plan_selection
+from omgs_hook.hook import OVERHEAD_SETTLE_STEPS, PLAN_LAG
 from ddp_harness import run_ranks
 from test_hook_ddp import DENSITY, Net, _train_planner_settled, batch, loss_fn, train_steps
 
@@ -161,12 +162,16 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
     history = stats[0]["plan_history"]
     trial_entries = [h for h in history if h["reason"] == "trial"]
     assert [h["strategy"] for h in trial_entries][:len(names)] == names
-    # the first candidate (the model's choice) from step 4 with the lead's 6 steps, then
+    # from step 4 the model's best sparse plan runs (its per-group work unknown: the
+    # fake inputs report none), the "overhead" re-plan OVERHEAD_SETTLE_STEPS later makes
+    # the candidates, PLAN_LAG steps later the trial starts with no lead of its own; then
     # one settle and one counted step per screen turn
-    lead, per = plan_selection.FIRST_TRIAL_LEAD_STEPS, 2
-    assert report["lead"] == lead
+    assert history[0]["reason"] == "sparse lead" and history[0]["step"] == 4, history[0]
+    assert history[0]["strategy"] == "optimal-sparse" and not any(history[0]["dense"])
+    start, per = 4 + OVERHEAD_SETTLE_STEPS + PLAN_LAG, 2
+    assert report["lead"] == 0 and report["reason"] == "first"
     assert [h["step"] for h in trial_entries][:len(names)] == (
-        [4] + [4 + lead + per * i for i in range(1, len(names))])
+        [start + per * i for i in range(len(names))])
     # the second pass runs them back in reverse order
     assert [h["strategy"] for h in trial_entries][len(names):2 * len(names) - 1] == names[-2::-1]
     assert history[-1]["reason"] == "trial winner" and history[-1]["strategy"] == winner
@@ -177,7 +182,8 @@ def test_trial_is_identical_on_every_rank_and_the_slowest_rank_decides():
     assert duel["rival"] in names and duel["rival"] != winner and duel["median_ratio"] > 1.0
     # W R, R W, W R, R W: a plan change is noted where the plan changes
     assert [h["strategy"] for h in trial_entries[-4:]] == [duel["rival"], winner] * 2
-    assert stats[0]["total"]["trials"] == 1 and stats[0]["total"]["replans"] == 1
+    # (the first plan's and the "overhead" re-plan's)
+    assert stats[0]["total"]["trials"] == 1 and stats[0]["total"]["replans"] == 2
     assert stats[0]["step_s"] is not None
     # the model is refitted from the trial, identically on every rank; the refit predicts
     # the candidates better than the model did
@@ -421,8 +427,11 @@ def test_select_model_keeps_the_model_choice():
 
 @pytest.mark.timeout(180)
 def test_gradients_after_plan_switches_equal_the_reference():
-    # the real clock: whichever plan wins, every step must match the reference
+    # the real clock: whichever plan wins, every step must match the reference (the
+    # model's inputs fixed, so that a trial runs: measured ones can price every other
+    # plan of this small net over PRUNE_FACTOR times the model's choice)
     results = run_ranks("test_hook_ddp", "check_against_reference", world_size=2,
+                        fixed_inputs=True,
                         hook_options={"strategy": "optimal", "warmup_steps": 1}, ddp_options={},
                         steps=16)
     for r in results:
@@ -437,10 +446,13 @@ def test_gradients_after_plan_switches_equal_the_reference():
 
 def resume_in_trial_worker(rank, world_size, ckpt_dir, total, into_duel=False):
     plan_selection.DUEL_PAIRS = 4  # (read when the trial starts, and by the resumed one)
-    # (fixed model inputs for the duel: a candidate set with a runner-up within 30%)
-    model, ddp, state, opt = build(rank, fake_inputs=into_duel)
-    # checkpoint 3 steps into the trial's screen (after its lead), or 3 steps into its
-    # duel: when it starts and how long it runs depend on
+    # fixed model inputs: a candidate set with a runner-up within 30% for the duel, and a
+    # trial at all (measured per-group work can price every other plan of this small net
+    # over PRUNE_FACTOR times the model's choice: then no trial runs)
+    model, ddp, state, opt = build(rank, fake_inputs=True)
+    # checkpoint 3 steps into the trial's screen (after the sparse lead, the trial has
+    # no lead of its own), or 3 steps into its duel: when it starts and how long it runs
+    # depend on
     # how many candidates survive the model's pruning (really measured backward times);
     # the trial state is gathered, so every rank stops at the same step
     first = 0
@@ -450,7 +462,7 @@ def resume_in_trial_worker(rank, world_size, ckpt_dir, total, into_duel=False):
     while into_duel and state._trial is not None and state._trial.round_kinds[-1] != "duel":
         train_steps(ddp, opt, first, first + 1, rank)
         first += 1
-    into = 3 if into_duel else plan_selection.FIRST_TRIAL_LEAD_STEPS + 3
+    into = 3
     train_steps(ddp, opt, first, first + into, rank)
     first += into
     in_trial = state.stats()["selection"]["trial"] is not None
@@ -463,8 +475,7 @@ def resume_in_trial_worker(rank, world_size, ckpt_dir, total, into_duel=False):
     del ddp, state, model, opt
     gc.collect()
 
-    # (fixed model inputs for the duel: a candidate set with a runner-up within 30%)
-    model, ddp, state, opt = build(rank, fake_inputs=into_duel)
+    model, ddp, state, opt = build(rank, fake_inputs=True)
     ckpt = torch.load(path, weights_only=True)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
@@ -1115,3 +1126,58 @@ def test_a_workload_that_moves_is_trialled_again_with_the_full_set():
     assert len(names) > 2 and names[1] == "kept:" + first_winner["strategy"], (names, trials)
     report = stats[0]["selection"]["last_trial"]
     assert report["reason"] == "periodic" and [c["name"] for c in report["candidates"]] == names
+
+
+def sparse_lead_worker(rank, world_size, steps):
+    """Train with the default options until the first plan after the sparse lead is in
+    use; what the re-plan that made it (and its candidates) was given."""
+    model, ddp, state, opt = build(rank, fake_clock=False)
+    seen = None
+    for step in range(steps):
+        train_steps(ddp, opt, step, step + 1, rank)
+        history = state.stats()["plan_history"]
+        if len(history) >= 2 and seen is None:  # (gathered decisions: the same everywhere)
+            seen = {"planned_with": dict(state._planned_with), "history": history,
+                    "trial": state._trial is not None}
+            break
+    del ddp, state
+    gc.collect()
+    return seen
+
+
+@pytest.mark.timeout(180)
+def test_the_first_trial_is_planned_from_the_sparse_path_s_own_steps():
+    # the first plan is made from the dense warm-up: no sparse group ran yet, so neither
+    # the top-k as training runs it nor the hook's per-group work is known, and backward
+    # was timed beside the warm-up's all-reduce. The model's best sparse plan runs first;
+    # the candidates (or, pruned to one, the plan) come from its steps
+    results = run_ranks("test_hook_selection", "sparse_lead_worker", world_size=2, steps=30)
+    assert results[0] is not None and results[0]["history"] == results[1]["history"]
+    lead, after = results[0]["history"][:2]
+    assert lead["reason"] == "sparse lead" and lead["step"] == 4, lead  # warm-up 2 + PLAN_LAG
+    assert not any(lead["dense"]) and lead["strategy"] in ("optimal", "optimal-sparse"), lead
+    assert after["reason"] in ("trial", "model"), after
+    assert after["step"] >= lead["step"] + OVERHEAD_SETTLE_STEPS + PLAN_LAG, after
+    for r in results:
+        inputs = r["planned_with"]
+        assert inputs["overhead_measured"] and inputs["topk_scale"] is not None, inputs
+
+
+def test_the_sparse_lead_runs_the_model_s_first_plan_with_the_fewest_dense_groups():
+    from omgs_hook.hook import OMGSState
+    from omgs_hook.plan_selection import Candidate
+
+    def c(name, dense):
+        return Candidate(name, tuple((i,) for i in range(len(dense))), tuple(dense), 1.0)
+
+    mixed, sparse, other, dense = (c("optimal", [True, False]), c("optimal-sparse", [False, False]),
+                                   c("single", [False]), c("all-dense", [True, True]))
+    assert OMGSState._sparse_lead([mixed, sparse, other, dense]) is sparse
+    assert OMGSState._sparse_lead([mixed, dense]) is mixed
+    assert OMGSState._sparse_lead([dense, c("x", [True])]) is None
+    # on the registration's exchange where a candidate there sends something sparse
+    flat = Candidate("flat:single", ((0,),), (False,), 1.0, "flat")
+    two_level = Candidate("optimal", ((0,), (1,)), (True, False), 1.0, "hierarchical")
+    assert OMGSState._sparse_lead([flat, two_level], "hierarchical") is two_level
+    assert OMGSState._sparse_lead([two_level, flat]) is flat  # (no exchange named)
+    assert OMGSState._sparse_lead([flat, dense], "hierarchical") is flat

@@ -54,15 +54,17 @@ def test_short_soak_keeps_memory_flat_and_residual_bounded(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     # planned at step 5, then every 20 steps after the plan in use was made; the measured
-    # selection's first trial (its lead steps included) and a regret trial after it
-    # postpone the periodic re-plans by up to their step bounds (they end at a
-    # timing-dependent step), so count only those that fit after both, minus one for a
-    # re-plan computed in the background: 1 + (160 - 5 - 72 - 36) // 20 - 1 = 2. (This
+    # selection's first trial (the sparse lead's steps before it included) and a regret
+    # trial after it postpone the periodic re-plans by up to their step bounds (they end
+    # at a timing-dependent step), so count only those that fit after both, minus one
+    # for a re-plan computed in the background: 1 + (160 - 5 - 73 - 36) // 20 - 1 = 2. (This
     # said 41 steps and 5 re-plans until the trial's tie-break round and lead steps made
     # the bound 72: a run whose trial took 60-odd steps failed with 4 re-plans.)
     from omgs_hook import plan_selection
+    from omgs_hook.hook import OVERHEAD_SETTLE_STEPS, PLAN_LAG
+    # (the first trial starts after the sparse lead, without a lead of its own)
     trials = (plan_selection.trial_steps_bound(plan_selection.MAX_CANDIDATES,
-                                               lead=plan_selection.FIRST_TRIAL_LEAD_STEPS,
+                                               lead=OVERHEAD_SETTLE_STEPS + PLAN_LAG,
                                                duel_pairs=0)
               + plan_selection.trial_steps_bound(2, duel_pairs=0))
     least = 1 + (160 - 5 - trials) // 20 - 1

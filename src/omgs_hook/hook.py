@@ -36,7 +36,9 @@ changed for good. All ranks derive the plan from the same all-gathered numbers a
 compare a checksum; a mismatch raises.
 
 Measured selection (``select="measured"``, the default): the model's plan is only a
-proposal. After it the hook runs a bounded *trial* (:mod:`omgs_hook.plan_selection`): a
+proposal. The first one is made before any sparse group ran, so the model's best sparse
+plan runs first (the *sparse lead*) and the re-plan ``OVERHEAD_SETTLE_STEPS`` later
+makes the candidates. Then the hook runs a bounded *trial* (:mod:`omgs_hook.plan_selection`): a
 few candidate plans, each for a few ordinary training steps on a schedule fixed by step
 number, each timed from the previous step's end to its own (a step ends with its last
 collective, at about the same moment on every rank); the slowest rank's times,
@@ -2811,6 +2813,24 @@ class OMGSState:
         # only ones a trial lets through): the new plans replace it
         self._trial, self._trial_plans = None, []
         candidates = result["candidates"]
+        lead_plan = (self._sparse_lead(candidates, self._registered_exchange())
+                     if candidates and not job["overhead_known"] and not self._awaiting_overhead
+                     else None)
+        if lead_plan is not None:
+            # the candidates were priced before any sparse group ran: without the top-k as
+            # training runs it and the hook's per-group work, and on backward times taken
+            # beside the dense warm-up's all-reduce. Run the model's best sparse plan for
+            # OVERHEAD_SETTLE_STEPS steps; the "overhead" re-plan then makes the trial's
+            # candidates from those steps (ResNet-20 on 2 shaped ranks: the set made from
+            # the warm-up held a 3-group plan 1% ahead of TopK-SGD's, the model's plan
+            # five steps later one 3-5% ahead; docs/results/extra/duel_alternation_probe.py)
+            self.plan = self._group_plan(lead_plan, layout, self.step)
+            self._note_plan("sparse lead")
+            self._awaiting_overhead = True
+            self._plan_in_use_from(self.step, check=False)
+            logger.debug("omgs_hook: step %d sparse lead %s before the trial", self.step,
+                         lead_plan.name)
+            return
         if candidates:
             self._model_key = result["model_key"]
             self._flat_model_key = result.get("flat_key")
@@ -2820,10 +2840,13 @@ class OMGSState:
                                       else None)
             self._regret_checked = False
             self._trial_layout = layout
+            # the sparse lead's steps ran the start-up after the dense warm-up already
             lead = plan_selection.FIRST_TRIAL_LEAD_STEPS if job["reason"] == "first" else 0
+            # (a trial after the sparse lead is still the run's or the layout's first)
+            reason = "first" if job["reason"] == "overhead" else job["reason"]
             self._start_trial_from(plan_selection.Trial(
-                candidates, self.step, reason=job["reason"], lead=lead,
-                duel_pairs=plan_selection.duel_pairs_for(job["reason"])))
+                candidates, self.step, reason=reason, lead=lead,
+                duel_pairs=plan_selection.duel_pairs_for(reason)))
             self._awaiting_overhead = False  # the trial measures the sparse path itself
             logger.debug("omgs_hook: step %d trial of %s", self.step, [c.name for c in candidates])
             return
@@ -2843,6 +2866,16 @@ class OMGSState:
             self._plan_in_use_from(self.step, check=(job["reason"] != "check"
                                                      and not self._awaiting_overhead))
         logger.debug("omgs_hook: step %d new plan %s", self.step, plan.unit_groups())
+
+    @staticmethod
+    def _sparse_lead(candidates, exchange=None):
+        """The candidate the sparse lead runs: the first (the model's order) with the
+        fewest dense groups among those that send something sparse, on the registration's
+        ``exchange`` where one does (the model's plans run on it: its steps are the ones
+        the re-plan measures); None if none sends anything sparse."""
+        sparse = [(c.exchange not in (None, exchange), sum(c.dense), i)
+                  for i, c in enumerate(candidates) if not all(c.dense)]
+        return candidates[min(sparse)[2]] if sparse else None
 
     def _first_guess_steps(self):
         """How many first steps run DDP's first guess of the buckets before it rebuilds

@@ -48,7 +48,9 @@ MEASURE_STEPS = 1
 #: read 10-30% slow and dropped the fastest plan (VGG-16 N = 4: `single` 2.19 s in the
 #: screen at steps 13-15, 1.58 s timed later; the default lost 8% to TopK-SGD)
 SCREEN_PASSES = 2
-#: the first trial of a run starts with this many uncounted steps of the model's choice:
+#: the first trial of a run starts with this many uncounted steps of the model's choice
+#: when its candidates were made with the sparse path measured already (a resumed run);
+#: otherwise the hook's sparse lead runs before the trial instead (docs/design.md):
 #: the same start-up (the steps right after the dense warm-up ran 20-40% slow on the
 #: shaped cluster, falling off over about ten steps) hit whichever candidates ran first
 FIRST_TRIAL_LEAD_STEPS = 6
