@@ -274,7 +274,8 @@ def spell_worker(rank, world_size, steps, spell_factor, adjust_pace=True):
     plan_selection.SPELL_FACTOR = spell_factor  # (the Trial's defaults, read at its creation)
     plan_selection.ADJUST_PACE = adjust_pace
     plan_selection.DUEL_PAIRS = 0  # (the rounds' retake is tested)
-    model, ddp, state, opt = build(rank)
+    # (fixed model inputs: a trial with a full set, see resume_in_trial_worker)
+    model, ddp, state, opt = build(rank, fake_inputs=True)
     clock = state._clock = SpellClock(state, rank)
     state._load_probe = clock.probe
     train_steps(ddp, opt, 0, steps, rank)
@@ -358,7 +359,7 @@ class PhaseClock(FakeClock):
 def phase_worker(rank, world_size, steps, adjust_pace):
     plan_selection.ADJUST_PACE = adjust_pace
     plan_selection.DUEL_PAIRS = 0  # (the rounds' pace is tested; the phase lasts the trial)
-    model, ddp, state, opt = build(rank)
+    model, ddp, state, opt = build(rank, fake_inputs=True)  # (a trial: see above)
     clock = state._clock = PhaseClock(state, rank)
     state._load_probe = clock.probe
     trial = None
@@ -832,7 +833,8 @@ def isolated_selection_worker(rank, world_size, steps, isolate_units, has_a_core
     # (re-plans after the trial are what is tested: a trial without its duel, which would
     # take up to 80 of the run's steps when a runner-up is within 30%)
     plan_selection.DUEL_PAIRS = 0
-    model, ddp, state, opt = build(rank, replan_every=6)
+    # (fixed model inputs: a trial, see resume_in_trial_worker)
+    model, ddp, state, opt = build(rank, replan_every=6, fake_inputs=True)
     where = []
     submit = state._planner.submit
 
@@ -952,7 +954,8 @@ def real_clock_worker(rank, world_size, steps, pause_every=None, slow_in_turn=No
     # (the step timing the trial reads is tested: its rounds, without the duel, so that
     # the trial has ended within the test's steps whatever the real clocks read)
     plan_selection.DUEL_PAIRS = 0
-    model, ddp, state, opt = build(rank, fake_clock=False)
+    # (the model's inputs fixed: a trial, see resume_in_trial_worker; the clock is real)
+    model, ddp, state, opt = build(rank, fake_clock=False, fake_inputs=True)
     if slow_in_turn:
         state._load_probe = lambda: 0.01  # the slow forwards are the steps' pace, not spells
         forward, calls = model.forward, [0]
@@ -1181,3 +1184,52 @@ def test_the_sparse_lead_runs_the_model_s_first_plan_with_the_fewest_dense_group
     assert OMGSState._sparse_lead([flat, two_level], "hierarchical") is two_level
     assert OMGSState._sparse_lead([two_level, flat]) is flat  # (no exchange named)
     assert OMGSState._sparse_lead([flat, dense], "hierarchical") is flat
+
+
+def resume_in_lead_worker(rank, world_size, ckpt_dir, total):
+    """Checkpoint 2 steps into the sparse lead, train on to ``total``; resume from the
+    checkpoint in a new hook and train to ``total`` again."""
+    model, ddp, state, opt = build(rank, fake_inputs=True)
+    first = 0
+    while not state._awaiting_overhead and first < total:  # (gathered: the same everywhere)
+        train_steps(ddp, opt, first, first + 1, rank)
+        first += 1
+    train_steps(ddp, opt, first, first + 2, rank)
+    first += 2
+    in_lead = state._awaiting_overhead and state._trial is None
+    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
+    train_steps(ddp, opt, first, total, rank)
+    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats_a = state.stats()
+    del ddp, state, model, opt
+    gc.collect()
+
+    model, ddp, state, opt = build(rank, fake_inputs=True)
+    ckpt = torch.load(path, weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["hook"])
+    resumed_in_lead = state._awaiting_overhead and state.plan is not None
+    train_steps(ddp, opt, first, total, rank)
+    resumed = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats_b = state.stats()
+    del ddp, state
+    gc.collect()
+    return {"in_lead": in_lead, "resumed_in_lead": resumed_in_lead, "first": first,
+            "identical": all(torch.equal(uninterrupted[n], resumed[n]) for n in uninterrupted),
+            "history": (stats_a["plan_history"], stats_b["plan_history"])}
+
+
+@pytest.mark.timeout(180)
+def test_checkpoint_and_resume_during_the_sparse_lead_is_bit_exact(tmp_path):
+    results = run_ranks("test_hook_selection", "resume_in_lead_worker", world_size=2,
+                        ckpt_dir=str(tmp_path), total=30)
+    assert results[0]["first"] == results[1]["first"]
+    for r in results:
+        assert r["in_lead"] and r["resumed_in_lead"], r
+        a, b = r["history"]
+        assert a == b and a[0]["reason"] == "sparse lead", a
+        # the trial started from the "overhead" re-plan, at the same step in both runs
+        assert any(h["reason"] == "trial" for h in a), a
+        assert r["identical"]

@@ -550,9 +550,12 @@ class OMGSState:
             **Trial budget.** Up to three rounds (``plan_selection.Trial``): every candidate
             runs ``1`` settle step (not counted) and ``1`` counted step, in order and then
             again in reverse order (two passes, so that a machine that speeds up or slows
-            down over the round costs every candidate alike; the first trial of a run starts
-            with ``6`` uncounted steps of the model's choice, as the steps right after the
-            warm-up run slow); those within 30% of the best (at most 3) run again in reverse
+            down over the round costs every candidate alike). Before the first trial of a
+            run the model's best sparse plan runs ``7`` steps (the *sparse lead*: the
+            candidates are then made from its steps, with the top-k and the hook's own
+            per-group work measured; where those are known already, a resumed run, the
+            trial starts with ``6`` uncounted steps of the model's choice instead, as the
+            steps right after the warm-up run slow); those within 30% of the best (at most 3) run again in reverse
             order with ``3`` counted steps; those still closer to the best than the noise
             (at least 3%; the larger of the spread of the confirm round's samples and how
             far one candidate's two screen turns moved against the others') run two more
@@ -570,7 +573,7 @@ class OMGSState:
             first plan, a bucket-layout change) has at most 7 candidates: at most
             ``7 * 2 * 2 + (3 + 2) * 4 + 3 * 2 * 3 + 2 * 20 * 2 = 146`` steps (58
             without load spells and without the side-by-side pairs), after the first
-            trial's 6 lead steps; as the rounds narrow to plans within a few % of each
+            trial's 7 sparse-lead steps; as the rounds narrow to plans within a few % of each
             other, most of those steps run at about the winner's pace
             (``stats()["selection"]`` reports each trial's ``excess_steps``: its cost in
             steps of the winner; -2 to 21 steps, the pairs included, on a held-out
