@@ -198,6 +198,18 @@ def train_steps(ddp, opt, start, stop, rank):
         opt.step()
 
 
+def train_into_first_trial(state, train, limit, into=2):
+    """``train(start, stop)`` step by step until the hook's first trial has started (or
+    ``limit`` steps), then ``into`` steps more; the step reached. (The trial starts on a
+    gathered decision: at the same step on every rank.)"""
+    step = 0
+    while state._trial is None and step < limit:
+        train(step, step + 1)
+        step += 1
+    train(step, step + into)
+    return step + into
+
+
 def _train_planner_settled(ddp, opt, state, start, stop, rank):
     """train_steps, waiting after each step until a pending re-plan is computed: the plan
     then switches at its agreed step, not later because the planner thread was slow on a
@@ -789,12 +801,8 @@ def changed_options_worker(rank, world_size, first, second, save_at, steps, in_t
         fake_planning_inputs(state)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     if in_trial:
-        started = 0
-        while state._trial is None and started < steps:  # (gathered: the same everywhere)
-            train_steps(ddp, opt, started, started + 1, rank)
-            started += 1
-        save_at = started + 2
-        train_steps(ddp, opt, started, save_at, rank)
+        save_at = train_into_first_trial(
+            state, lambda start, stop: train_steps(ddp, opt, start, stop, rank), steps)
     else:
         train_steps(ddp, opt, 0, save_at, rank)
     buffer = io.BytesIO()

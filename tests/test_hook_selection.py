@@ -445,6 +445,34 @@ def test_gradients_after_plan_switches_equal_the_reference():
     assert history == results[1]["stats"]["plan_history"]
 
 
+def save_train_and_resume(rank, model, ddp, state, opt, ckpt_dir, first, total, probe):
+    """Checkpoint at step ``first`` and train on to ``total``; then a new hook (fixed model
+    inputs, as the callers') resumed from the checkpoint trains to ``total`` again.
+    ``identical``: the two runs' parameters bit for bit; ``stats``: both runs'; ``probe``:
+    ``probe(state)`` of the resumed hook right after the load."""
+    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
+    train_steps(ddp, opt, first, total, rank)
+    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats_a = state.stats()
+    del ddp, state, model, opt
+    gc.collect()
+
+    model, ddp, state, opt = build(rank, fake_inputs=True)
+    ckpt = torch.load(path, weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["hook"])
+    probed = probe(state)
+    train_steps(ddp, opt, first, total, rank)
+    resumed = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stats_b = state.stats()
+    del ddp, state
+    gc.collect()
+    return {"identical": all(torch.equal(uninterrupted[n], resumed[n]) for n in uninterrupted),
+            "stats": (stats_a, stats_b), "probe": probed}
+
+
 def resume_in_trial_worker(rank, world_size, ckpt_dir, total, into_duel=False):
     plan_selection.DUEL_PAIRS = 4  # (read when the trial starts, and by the resumed one)
     # fixed model inputs: a candidate set with a runner-up within 30% for the duel, and a
@@ -468,27 +496,11 @@ def resume_in_trial_worker(rank, world_size, ckpt_dir, total, into_duel=False):
     first += into
     in_trial = state.stats()["selection"]["trial"] is not None
     in_duel = in_trial and state._trial.round_kinds[-1] == "duel"
-    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
-    train_steps(ddp, opt, first, total, rank)
-    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
-    stats_a = state.stats()
-    del ddp, state, model, opt
-    gc.collect()
-
-    model, ddp, state, opt = build(rank, fake_inputs=True)
-    ckpt = torch.load(path, weights_only=True)
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    state.load_state_dict(ckpt["hook"])
-    resumed_in_trial = state.stats()["selection"]["trial"] is not None
-    train_steps(ddp, opt, first, total, rank)
-    resumed = {n: p.detach().clone() for n, p in model.named_parameters()}
-    stats_b = state.stats()
-    del ddp, state
-    gc.collect()
-    return {"in_trial": in_trial, "in_duel": in_duel, "resumed_in_trial": resumed_in_trial,
-            "identical": all(torch.equal(uninterrupted[n], resumed[n]) for n in uninterrupted),
+    out = save_train_and_resume(rank, model, ddp, state, opt, ckpt_dir, first, total,
+                                lambda resumed: resumed.stats()["selection"]["trial"] is not None)
+    stats_a, stats_b = out["stats"]
+    return {"in_trial": in_trial, "in_duel": in_duel, "resumed_in_trial": out["probe"],
+            "identical": out["identical"],
             "winner": (stats_a["selection"]["last_trial"]["winner"],
                        stats_b["selection"]["last_trial"]["winner"]),
             "history": (stats_a["plan_history"], stats_b["plan_history"]),
@@ -1197,27 +1209,12 @@ def resume_in_lead_worker(rank, world_size, ckpt_dir, total):
     train_steps(ddp, opt, first, first + 2, rank)
     first += 2
     in_lead = state._awaiting_overhead and state._trial is None
-    path = os.path.join(ckpt_dir, f"rank{rank}.pt")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
-    train_steps(ddp, opt, first, total, rank)
-    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
-    stats_a = state.stats()
-    del ddp, state, model, opt
-    gc.collect()
-
-    model, ddp, state, opt = build(rank, fake_inputs=True)
-    ckpt = torch.load(path, weights_only=True)
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    state.load_state_dict(ckpt["hook"])
-    resumed_in_lead = state._awaiting_overhead and state.plan is not None
-    train_steps(ddp, opt, first, total, rank)
-    resumed = {n: p.detach().clone() for n, p in model.named_parameters()}
-    stats_b = state.stats()
-    del ddp, state
-    gc.collect()
-    return {"in_lead": in_lead, "resumed_in_lead": resumed_in_lead, "first": first,
-            "identical": all(torch.equal(uninterrupted[n], resumed[n]) for n in uninterrupted),
+    out = save_train_and_resume(rank, model, ddp, state, opt, ckpt_dir, first, total,
+                                lambda resumed: resumed._awaiting_overhead
+                                and resumed.plan is not None)
+    stats_a, stats_b = out["stats"]
+    return {"in_lead": in_lead, "resumed_in_lead": out["probe"], "first": first,
+            "identical": out["identical"],
             "history": (stats_a["plan_history"], stats_b["plan_history"])}
 
 

@@ -44,14 +44,11 @@ def refreeze_worker(rank, world_size, select, save_at):
     state = omgs_hook.register(ddp, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     if save_at is None:  # 2 steps into the first trial (fixed model inputs: one runs)
+        from test_hook_ddp import train_into_first_trial
         from test_hook_selection import fake_planning_inputs
         fake_planning_inputs(state)
-        started = 0
-        while state._trial is None and started < 30:  # (gathered: the same everywhere)
-            _train(ddp, opt, started, started + 1, rank)
-            started += 1
-        save_at = started + 2
-        _train(ddp, opt, started, save_at, rank)
+        save_at = train_into_first_trial(
+            state, lambda start, stop: _train(ddp, opt, start, stop, rank), 30)
     else:
         _train(ddp, opt, 0, save_at, rank)
     sd = state.state_dict()
