@@ -21,6 +21,7 @@ from omgs_hook.plan_selection import MAX_CANDIDATES
 from reference_omgs import reference_step
 from test_hierarchical import (DENSITY, GROUPS, NODES, PER_NODE, WORLD, Net, batch,
                                flat_residuals, gather, loss_fn, two_level_reference)
+from test_hook_ddp import train_into_first_trial
 from test_hook_selection import fake_planning_inputs
 
 pytestmark = pytest.mark.multiprocess
@@ -221,10 +222,9 @@ def trial_worker(rank, world_size, steps, ckpt_dir=None, save_at=False):
     out = {}
     # an explicit topology="hierarchical": the trial's candidates are all two-level
     model, ddp, state, opt = build(rank, topology="hierarchical")
-    for step in range(20):  # until the trial starts (after the sparse lead)
-        train(ddp, opt, step, step + 1, rank)
-        if state._trial is not None:  # (gathered decisions: the same step on every rank)
-            break
+    # until the trial starts (after the sparse lead)
+    train_into_first_trial(state, lambda start, stop: train(ddp, opt, start, stop, rank), 20,
+                           into=0)
     trial = state.stats()["selection"]["trial"]
     out["explicit"] = [(c["name"], c["exchange"]) for c in trial["candidates"]]
     del ddp, state, model, opt

@@ -20,7 +20,8 @@ import omgs_hook
 from omgs_hook import background_planner, plan_selection
 from omgs_hook.hook import OVERHEAD_SETTLE_STEPS, PLAN_LAG
 from ddp_harness import run_ranks
-from test_hook_ddp import DENSITY, Net, _train_planner_settled, batch, loss_fn, train_steps
+from test_hook_ddp import (DENSITY, Net, _train_planner_settled, batch, loss_fn,
+                           train_into_first_trial, train_steps)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -484,10 +485,8 @@ def resume_in_trial_worker(rank, world_size, ckpt_dir, total, into_duel=False):
     # depend on
     # how many candidates survive the model's pruning (really measured backward times);
     # the trial state is gathered, so every rank stops at the same step
-    first = 0
-    while state._trial is None and first < total - 2:
-        train_steps(ddp, opt, first, first + 1, rank)
-        first += 1
+    first = train_into_first_trial(
+        state, lambda start, stop: train_steps(ddp, opt, start, stop, rank), total - 2, into=0)
     while into_duel and state._trial is not None and state._trial.round_kinds[-1] != "duel":
         train_steps(ddp, opt, first, first + 1, rank)
         first += 1
@@ -1185,17 +1184,21 @@ def test_the_sparse_lead_runs_the_model_s_first_plan_with_the_fewest_dense_group
     def c(name, dense):
         return Candidate(name, tuple((i,) for i in range(len(dense))), tuple(dense), 1.0)
 
+    def lead(candidates, exchange=None):
+        index = OMGSState._sparse_lead(candidates, exchange)
+        return None if index is None else candidates[index]
+
     mixed, sparse, other, dense = (c("optimal", [True, False]), c("optimal-sparse", [False, False]),
                                    c("single", [False]), c("all-dense", [True, True]))
-    assert OMGSState._sparse_lead([mixed, sparse, other, dense]) is sparse
-    assert OMGSState._sparse_lead([mixed, dense]) is mixed
-    assert OMGSState._sparse_lead([dense, c("x", [True])]) is None
+    assert lead([mixed, sparse, other, dense]) is sparse
+    assert lead([mixed, dense]) is mixed
+    assert lead([dense, c("x", [True])]) is None
     # on the registration's exchange where a candidate there sends something sparse
     flat = Candidate("flat:single", ((0,),), (False,), 1.0, "flat")
     two_level = Candidate("optimal", ((0,), (1,)), (True, False), 1.0, "hierarchical")
-    assert OMGSState._sparse_lead([flat, two_level], "hierarchical") is two_level
-    assert OMGSState._sparse_lead([two_level, flat]) is flat  # (no exchange named)
-    assert OMGSState._sparse_lead([flat, dense], "hierarchical") is flat
+    assert lead([flat, two_level], "hierarchical") is two_level
+    assert lead([two_level, flat]) is flat  # (no exchange named)
+    assert lead([flat, dense], "hierarchical") is flat
 
 
 def resume_in_lead_worker(rank, world_size, ckpt_dir, total):

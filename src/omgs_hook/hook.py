@@ -2816,10 +2816,10 @@ class OMGSState:
         # only ones a trial lets through): the new plans replace it
         self._trial, self._trial_plans = None, []
         candidates = result["candidates"]
-        lead_plan = (self._sparse_lead(candidates, self._registered_exchange())
-                     if candidates and not job["overhead_known"] and not self._awaiting_overhead
-                     else None)
-        if lead_plan is not None:
+        lead = (self._sparse_lead(candidates, self._registered_exchange())
+                if candidates and not job["overhead_known"] and not self._awaiting_overhead
+                else None)
+        if lead is not None:
             # the candidates were priced before any sparse group ran: without the top-k as
             # training runs it and the hook's per-group work, and on backward times taken
             # beside the dense warm-up's all-reduce. Run the model's best sparse plan for
@@ -2827,12 +2827,12 @@ class OMGSState:
             # candidates from those steps (ResNet-20 on 2 shaped ranks: the set made from
             # the warm-up held a 3-group plan 1% ahead of TopK-SGD's, the model's plan
             # five steps later one 3-5% ahead; docs/results/extra/duel_alternation_probe.py)
-            self.plan = self._group_plan(lead_plan, layout, self.step)
+            self.plan = plans[lead]  # (the candidates' plans, checked equal on every rank)
             self._note_plan("sparse lead")
             self._awaiting_overhead = True
             self._plan_in_use_from(self.step, check=False)
             logger.debug("omgs_hook: step %d sparse lead %s before the trial", self.step,
-                         lead_plan.name)
+                         candidates[lead].name)
             return
         if candidates:
             self._model_key = result["model_key"]
@@ -2872,13 +2872,13 @@ class OMGSState:
 
     @staticmethod
     def _sparse_lead(candidates, exchange=None):
-        """The candidate the sparse lead runs: the first (the model's order) with the
-        fewest dense groups among those that send something sparse, on the registration's
-        ``exchange`` where one does (the model's plans run on it: its steps are the ones
-        the re-plan measures); None if none sends anything sparse."""
+        """The index of the candidate the sparse lead runs: the first (the model's order)
+        with the fewest dense groups among those that send something sparse, on the
+        registration's ``exchange`` where one does (the model's plans run on it: its steps
+        are the ones the re-plan measures); None if none sends anything sparse."""
         sparse = [(c.exchange not in (None, exchange), sum(c.dense), i)
                   for i, c in enumerate(candidates) if not all(c.dense)]
-        return candidates[min(sparse)[2]] if sparse else None
+        return min(sparse)[2] if sparse else None
 
     def _first_guess_steps(self):
         """How many first steps run DDP's first guess of the buckets before it rebuilds
