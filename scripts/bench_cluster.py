@@ -48,9 +48,9 @@ How one configuration (model, N ranks, link rate, density) is measured:
 3. One launch of this script per rank (``--worker``) builds every variant, runs each
    through its warm-up (DDP's first two iterations, the hooks' dense warm-up steps, and
    a few steps on the final plan), then times ``--rounds`` rounds; in each round every
-   variant runs ``--steps`` steps back to back, and the order of variants rotates from
-   round to round, so slow drifts of the machine (other load, thermal) hit all variants
-   alike.
+   variant runs ``--steps`` steps back to back, in an order drawn afresh for each round
+   (the same on every rank: :func:`round_order`), so slow drifts of the machine (other
+   load, thermal) hit all variants alike and no variant always follows the same one.
 4. Every step is timed on every rank (forward, backward incl. waiting for the
    gradients, optimiser step); after each block the per-step times are all-reduced with
    MAX, because a synchronous step is as slow as its slowest rank. The sparse hooks'
@@ -98,6 +98,7 @@ import gc
 import json
 import math
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -889,10 +890,9 @@ def run_worker(config_path):
                                        f"warm-up steps")
                 variant.plan_at_timing_start = plan_signature(variant.hook_state)
         dist.barrier()
-        order = list(range(len(variants)))
-        for round_index in range(config["rounds"]):
-            shift = round_index % len(order)
-            for position in order[shift:] + order[:shift]:
+        orders = [round_order(len(variants), i, config["seed"]) for i in range(config["rounds"])]
+        for order in orders:
+            for position in order:
                 variant = variants[position]
                 rows = [run_step(variant, batches[(variant.steps_run + i) % len(batches)])
                         for i in range(config["steps"])]
@@ -909,6 +909,7 @@ def run_worker(config_path):
         dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
         if rank == 0:
             output = {"variants": reports, "world_size": world_size,
+                      "round_orders": [[variants[i].name for i in o] for o in orders],
                       "peak_rss_bytes_max_rank": float(peak_rss.item()),
                       "threads_per_rank": torch.get_num_threads(),
                       "torch_version": torch.__version__}
@@ -929,6 +930,23 @@ def run_worker(config_path):
 # =====================================================================================
 # statistics
 # =====================================================================================
+
+
+def round_order(count, round_index, seed):
+    """The order in which round ``round_index`` runs ``count`` variants: a permutation drawn
+    from ``(seed, round_index)`` alone, so every rank draws the same one.
+
+    Why drawn, not rotated: a rotation keeps every variant behind the same neighbour in
+    every round, so whatever a variant leaves behind (the dense all-reduces' socket and
+    queue state on the shaped links, caches, the allocator) lands on the same successor
+    each time - a bias no number of rounds averages out. The A/A control showed one:
+    in 75 of the 104 stored runs with it, TopK-SGD's copy (run after the default) read
+    faster than TopK-SGD itself (run after PowerSGD); median -1.4%, -17% to +8%. A
+    fresh draw per round gives every variant changing neighbours and places."""
+    order = list(range(int(count)))
+    # (a str seed hashes the same in every process, unlike hash() under PYTHONHASHSEED)
+    random.Random(f"bench-round:{int(seed)}:{int(round_index)}").shuffle(order)
+    return order
 
 
 def quantile(values, q):

@@ -407,10 +407,8 @@ def run_worker(config_path):
                 variant.plan_at_timing_start = bench.plan_signature(variant.hook_state)
         dist.barrier()
         wire = {v.name: [] for v in variants}
-        order = list(range(len(variants)))
         for round_index in range(config["rounds"]):
-            shift = round_index % len(order)
-            for position in order[shift:] + order[:shift]:
+            for position in bench.round_order(len(variants), round_index, config["seed"]):
                 variant = variants[position]
                 dist.barrier()
                 before = node_link_bytes() if local_rank == 0 else None

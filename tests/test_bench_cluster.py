@@ -7,6 +7,7 @@ torchrun on loopback for the convergence study.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -298,6 +299,31 @@ def test_the_a_a_control_is_on_request_and_reported_as_the_noise_floor():
     assert "A/A control" not in bench.render_tables([plain], "benchmarks.png")
 
 
+def test_each_round_draws_its_own_order_the_same_on_every_rank():
+    orders = [bench.round_order(10, i, seed=0) for i in range(12)]
+    assert all(sorted(o) == list(range(10)) for o in orders)
+    # a function of (seed, round) alone: what every rank computes on its own
+    assert orders == [bench.round_order(10, i, seed=0) for i in range(12)]
+    assert bench.round_order(10, 3, seed=1) != orders[3]
+    # not a rotation: a variant does not always follow the same one
+    followers = {}
+    for o in orders:
+        for a, b in zip(o, o[1:]):
+            followers.setdefault(a, set()).add(b)
+    assert all(len(f) > 1 for f in followers.values())
+    assert len({o[0] for o in orders}) > 3  # and the round's first place moves
+
+
+def test_the_round_order_is_the_same_in_another_interpreter():
+    code = ("import sys; sys.path.insert(0, 'scripts'); import bench_cluster as b; "
+            "print([b.round_order(9, i, 5) for i in range(4)])")
+    runs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, check=True,
+                           stdout=subprocess.PIPE, timeout=60,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2")}
+    assert len(runs) == 1 and runs == {str([bench.round_order(9, i, 5) for i in range(4)]) + "\n"}
+
+
 def test_ratio_targets_are_judged_against_the_a_a_difference():
     v = bench.ratio_verdict
     # without a control: plain met / missed at the target
@@ -569,6 +595,10 @@ def test_bench_cluster_quick_run(tmp_path):
     assert result["variants"]["omgs_dense"]["hook"]["options"]["allow_dense"] is True
     assert result["variants"]["omgs"]["hook"]["options"]["allow_dense"] is False
     assert result["library"]["commit"] and "density" in result["library"]["defaults"]
+    # each round ran every variant once, in the order round_order drew for it
+    orders = result["round_orders"]
+    assert len(orders) == result["settings"]["rounds"]
+    assert all(sorted(o) == sorted(result["variants"]) for o in orders)
     analysis = result["analysis"]
     assert analysis["default_vs_best_peer"] > 0 and "default_vs_powersgd" in analysis
     assert set(analysis["default_slowdown"]) == set(bench.CANDIDATES)
