@@ -6,6 +6,12 @@ over TopK-SGD's. Self-contained, like the other probes here.
 
     DENS=0.01 ROUNDS=30 PROFILE=profile.json PYTHONPATH=src \
         python scripts/netem_cluster.py --nodes 2 --rate 36mbit -- python default_overhead_ab.py
+
+ORDER=drawn (added 2026-12-07, after the rotation's bias was found: bench_cluster's
+round_order) runs each round in an order drawn from the round's number instead of the
+rotation, and also prints the median over rounds of each one's round median over
+TopK-SGD's (paired by round). QUIET=1 adds `default_quiet`: the default's options with
+no periodic re-plan (replan_every=10**6).
 """
 import os, sys, json, time, statistics, datetime, gc
 import torch, torch.distributed as dist
@@ -32,6 +38,8 @@ specs = {
   "default": {},
   "default_pinned": "PIN",
 }
+if os.environ.get("QUIET"):  # the default's options, but no periodic re-plan
+    specs["default_quiet"] = {"replan_every": 10 ** 6}
 variants = {}
 for name, opts in specs.items():
     m = build_model("resnet20", in_channels=3, num_classes=10); m.load_state_dict(init)
@@ -48,10 +56,10 @@ def step(v, i):
     opt.step()
     return time.perf_counter() - t
 # register + warm up; the default settles first, the pinned one copies its plan's groups
-for name in ("topk", "topk_again", "default"):
+for name in ("topk", "topk_again", "default") + (("default_quiet",) if "default_quiet" in specs else ()):
     v = variants[name]
     v[3] = omgs_hook.register(v[0], density=density, profile=profile, **v[2])
-    for i in range(200 if name == "default" else 10):
+    for i in range(200 if name.startswith("default") else 10):
         step(v, i)
 d = variants["default"][3]
 plan = d.plan
@@ -64,17 +72,25 @@ for i in range(20):
 if rank == 0:
     print("pinned plan", v[3].plan.strategy, len(v[3].plan.groups), flush=True)
 names = list(variants)
+drawn = os.environ.get("ORDER", "rotate") == "drawn"
+per_round = {name: [] for name in names}
 for r in range(rounds):
     order = names[r % len(names):] + names[:r % len(names)]
+    if drawn:
+        import random
+        random.Random(f"probe-round:{r}").shuffle(order)
     for name in order:
         v = variants[name]
         ts = [step(v, i) for i in range(5)]
         t = torch.tensor(ts, dtype=torch.float64); dist.all_reduce(t, op=dist.ReduceOp.MAX)
         v[4].extend(t.tolist())
+        per_round[name].append(statistics.median(t.tolist()))
 if rank == 0:
     base = statistics.median(variants["topk"][4])
     for name in names:
         med = statistics.median(variants[name][4])
-        print("RESULT", name, round(med * 1e3, 2), round(med / base, 4), variants[name][3].plan.strategy, flush=True)
+        paired = statistics.median(a / b for a, b in zip(per_round[name], per_round["topk"]))
+        print("RESULT", name, round(med * 1e3, 2), round(med / base, 4), variants[name][3].plan.strategy,
+              "paired", round(paired, 4), flush=True)
 variants.clear(); gc.collect()
 dist.destroy_process_group()
