@@ -24,7 +24,8 @@ with the two-level timeline); all groups sparse (``allow_dense=False``).
 The measuring machinery is bench_cluster.py's (imported, not copied): the same fairness
 rules (no buffer broadcast, one thread per rank, identical synthetic batches), the same
 warm-up rule per variant (``warmup_steps_for``), interleaved rounds in an order drawn
-per round (``round_order``), and slowest-rank (MAX over ranks) step times. Added here, per variant:
+per round (``round_order``), and slowest-rank (MAX over ranks) step times. Added here,
+per variant:
 
 * ``inter_node_bytes`` / ``intra_node_bytes`` of ``stats()["last"]`` (the algorithm's own
   count, per rank and step; for allreduce the ring all-reduce's count,
