@@ -555,11 +555,12 @@ class OMGSState:
             candidates are then made from its steps, with the top-k and the hook's own
             per-group work measured; where those are known already, a resumed run, the
             trial starts with ``6`` uncounted steps of the model's choice instead, as the
-            steps right after the warm-up run slow); those within 30% of the best (at most 3) run again in reverse
-            order with ``3`` counted steps; those still closer to the best than the noise
-            (at least 3%; the larger of the spread of the confirm round's samples and how
-            far one candidate's two screen turns moved against the others') run two more
-            turns each, in mirrored order (``a b c c b a``), ``2`` counted steps per turn. A
+            steps right after the warm-up run slow); those within 30% of the best (at
+            most 3) run again in reverse order with ``3`` counted steps; those still
+            closer to the best than the noise (at least 3%; the larger of the spread of
+            the confirm round's samples and how far one candidate's two screen turns
+            moved against the others') run two more turns each, in mirrored order
+            (``a b c c b a``), ``2`` counted steps per turn. A
             candidate's time weights each round by its turns there. A step that a load spell
             slowed (on some rank the forward pass after it took over 1.3x that rank's median
             forward of the trial: on CPU; on CUDA no step is judged) is left out of its

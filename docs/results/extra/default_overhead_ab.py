@@ -13,7 +13,7 @@ rotation, and also prints the median over rounds of each one's round median over
 TopK-SGD's (paired by round). QUIET=1 adds `default_quiet`: the default's options with
 no periodic re-plan (replan_every=10**6).
 """
-import os, sys, json, time, statistics, datetime, gc
+import os, sys, json, time, statistics, datetime, gc, random
 import torch, torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -77,7 +77,6 @@ per_round = {name: [] for name in names}
 for r in range(rounds):
     order = names[r % len(names):] + names[:r % len(names)]
     if drawn:
-        import random
         random.Random(f"probe-round:{r}").shuffle(order)
     for name in order:
         v = variants[name]
