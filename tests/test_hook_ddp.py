@@ -198,16 +198,21 @@ def train_steps(ddp, opt, start, stop, rank):
         opt.step()
 
 
-def train_into_first_trial(state, train, limit, into=2):
-    """``train(start, stop)`` step by step until the hook's first trial has started (or
-    ``limit`` steps), then ``into`` steps more; the step reached. (The trial starts on a
-    gathered decision: at the same step on every rank.)"""
+def train_until(reached, train, limit, into=0):
+    """``train(start, stop)`` step by step from step 0 until ``reached()`` holds (or
+    ``limit`` steps), then ``into`` steps more; the step reached. ``reached`` must read
+    hook state decided from gathered numbers, so that every rank stops at the same step."""
     step = 0
-    while state._trial is None and step < limit:
+    while not reached() and step < limit:
         train(step, step + 1)
         step += 1
     train(step, step + into)
     return step + into
+
+
+def train_into_first_trial(state, train, limit, into=2):
+    """:func:`train_until` the hook's first trial has started, then ``into`` steps more."""
+    return train_until(lambda: state._trial is not None, train, limit, into)
 
 
 def _train_planner_settled(ddp, opt, state, start, stop, rank):

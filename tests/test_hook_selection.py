@@ -21,7 +21,7 @@ from omgs_hook import background_planner, plan_selection
 from omgs_hook.hook import OVERHEAD_SETTLE_STEPS, PLAN_LAG
 from ddp_harness import run_ranks
 from test_hook_ddp import (DENSITY, Net, _train_planner_settled, batch, loss_fn,
-                           train_into_first_trial, train_steps)
+                           train_into_first_trial, train_steps, train_until)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -1205,12 +1205,9 @@ def resume_in_lead_worker(rank, world_size, ckpt_dir, total):
     """Checkpoint 2 steps into the sparse lead, train on to ``total``; resume from the
     checkpoint in a new hook and train to ``total`` again."""
     model, ddp, state, opt = build(rank, fake_inputs=True)
-    first = 0
-    while not state._awaiting_overhead and first < total:  # (gathered: the same everywhere)
-        train_steps(ddp, opt, first, first + 1, rank)
-        first += 1
-    train_steps(ddp, opt, first, first + 2, rank)
-    first += 2
+    first = train_until(lambda: state._awaiting_overhead,
+                        lambda start, stop: train_steps(ddp, opt, start, stop, rank), total,
+                        into=2)
     in_lead = state._awaiting_overhead and state._trial is None
     out = save_train_and_resume(rank, model, ddp, state, opt, ckpt_dir, first, total,
                                 lambda resumed: resumed._awaiting_overhead
