@@ -78,6 +78,7 @@ Usage (needs root, ``ip`` and ``tc``; see docs/emulated-cluster.md)::
     python scripts/bench_cluster.py                         # full run, ~15 min
     python scripts/bench_cluster.py --models resnet20 --nodes 4 --densities 0.001,0.01
     python scripts/bench_cluster.py --report-only           # re-render doc + plot
+    python scripts/bench_cluster.py --matched-rates         # rates for ratio 4 here
     python scripts/bench_cluster.py --quick --results-dir /tmp/r --doc /tmp/b.md \
         --plot /tmp/b.png                                   # smoke run, < 1 min
 
@@ -86,9 +87,13 @@ ratio of about 4 for dense all-reduce, as GPUs on 1 GbE have (docs/emulated-clus
 :data:`BENCH_RATES`, re-derived on 2026-12-07 from this benchmark's own rows when the
 host had become twice as fast; other configurations fall back to :data:`VGG16_RATES`
 (VGG-16 N = 2) and netem_cluster's ``RECOMMENDED_RATES``.
-``--rate MODEL:N=RATE`` overrides one configuration. ``--wait-load X`` waits
-(up to ``--wait-load-max-s``) for the 1-minute load average to fall below X before each
-configuration, because other processes on a small machine distort every timing.
+``--rate MODEL:N=RATE`` overrides one configuration. The ratio depends on the host's
+compute speed: ``--matched-rates`` reads the compute-only and all-reduce rows of a run in
+``--results-dir`` and prints the ``--rate`` arguments that give ratio 4 on that host
+(on a host 1.6x slower than the one BENCH_RATES were derived on, they measured
+2.0-2.3). ``--wait-load X`` waits (up to ``--wait-load-max-s``) for the 1-minute load
+average to fall below X before each configuration, because other processes on a small
+machine distort every timing.
 """
 
 import argparse
@@ -176,6 +181,9 @@ VGG16_RATES = {2: "240mbit", 4: "185mbit"}
 # These are the benchmark's rates since then (``--rate`` still overrides one).
 BENCH_RATES = {("resnet20", 2): "36mbit", ("resnet20", 4): "27mbit",
                ("resnet20", 8): "12600kbit", ("vgg16", 4): "300mbit"}
+# the dense all-reduce's communication over the compute-only step that the rates aim
+# at (GPUs on 1 GbE; ``--matched-rates`` finds the rates that give it on another host)
+TARGET_COMM_COMPUTE_RATIO = 4.0
 # DDP's first two iterations (one bucket, then the rebuild) are set-up, never timed.
 DDP_SETUP_STEPS = 2
 # Steps run on the final plan before timing starts (the plan is adopted at the end of
@@ -330,6 +338,10 @@ def build_parser():
     add("--plot", default=os.path.join(REPO_ROOT, "docs", "benchmarks.png"))
     add("--report-only", action="store_true",
         help="measure nothing: re-render --doc and --plot from --results-dir")
+    add("--matched-rates", action="store_true",
+        help="measure nothing: print the --rate arguments that give each configuration in "
+             "--results-dir a dense comm/compute ratio of 4 on the host that measured it "
+             "(from its compute-only and allreduce rows)")
     add("--quick", action="store_true",
         help="smoke run: resnet20, 2 nodes at 100 Mbit/s (unless --rate says otherwise), "
              "batch 8, 2 warm-up steps, 1 round of 2 steps, tiny profile")
@@ -1178,6 +1190,56 @@ def default_rate(model, nodes):
     return RECOMMENDED_RATES.get((model, nodes))
 
 
+def matched_rates(results, target_ratio=TARGET_COMM_COMPUTE_RATIO):
+    """The link rates that give each measured configuration a dense comm/compute ratio of
+    ``target_ratio`` on the host that measured it: the rates above were chosen on one
+    host, and a host 1.6x slower at compute runs them at a ratio near 2 instead of 4.
+
+    ``results``: benchmark result dicts (:func:`load_results`). Per (model, N), each
+    result's compute-only and all-reduce medians at its own rate give a rate through
+    ``netem_cluster.matching_rate``; a configuration's results (its densities) are
+    averaged, as :data:`BENCH_RATES` were derived. Returns ``{(model, nodes): (rate_bps,
+    [measured ratios])}``; results without both rows are left out."""
+    from netem_cluster import matching_rate
+
+    found = {}
+    for result in results:
+        variants = result.get("variants", {})
+        compute = (variants.get(REFERENCE) or {}).get("median_s")
+        allreduce = (variants.get("allreduce") or {}).get("median_s")
+        rate_bps = result.get("rate_bps")
+        if not (compute and allreduce and rate_bps) or allreduce <= compute:
+            continue
+        rate = matching_rate(compute, allreduce, rate_bps, target_ratio=target_ratio)
+        rates, ratios = found.setdefault((result["model"], result["nodes"]), ([], []))
+        rates.append(rate)
+        ratios.append((allreduce - compute) / compute)
+    return {key: (sum(rates) / len(rates), ratios) for key, (rates, ratios) in found.items()}
+
+
+def matched_rate_arguments(rates):
+    """``--rate`` arguments for :func:`matched_rates`' result, in kbit (tc-style)."""
+    return [f"--rate {model}:{nodes}={round(bps / 1000)}kbit"
+            for (model, nodes), (bps, _) in sorted(rates.items())]
+
+
+def print_matched_rates(results_dir):
+    """``--matched-rates``: what :func:`matched_rates` finds in ``results_dir``."""
+    from netem_cluster import format_rate
+
+    rates = matched_rates(load_results(results_dir))
+    if not rates:
+        raise SystemExit(f"bench_cluster: --matched-rates: no result in {results_dir!r} has "
+                         f"both the compute-only and the allreduce rows (run the benchmark "
+                         f"once with --hooks allreduce,... first)")
+    for (model, nodes), (bps, ratios) in sorted(rates.items()):
+        measured = (f"{ratios[0]:.2f}" if len(ratios) == 1 else
+                    f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} runs")
+        print(f"{model} N={nodes}: measured comm/compute {measured} -> {format_rate(bps)} "
+              f"for {TARGET_COMM_COMPUTE_RATIO:g}")
+    print(" ".join(matched_rate_arguments(rates)))
+
+
 def load_average():
     """The 1, 5 and 15 minute load averages."""
     return list(os.getloadavg())
@@ -1802,6 +1864,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return run_worker(args.worker)
+    if args.matched_rates:
+        print_matched_rates(args.results_dir)
+        return 0
     if not args.report_only:
         run_benchmarks(args)
     report(args)

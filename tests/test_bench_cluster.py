@@ -281,6 +281,49 @@ def test_the_benchmark_rates_give_the_measured_rows_a_ratio_of_four():
     assert bench.default_rate("resnet20", 3) is None
 
 
+def _rows(model, nodes, density, compute, allreduce, rate_bps):
+    r = _result(compute=compute, allreduce=allreduce)
+    r.update(model=model, nodes=nodes, density=density, rate_bps=rate_bps)
+    return r
+
+
+def test_matched_rates_give_each_measured_configuration_a_ratio_of_four():
+    netem = load_script("netem_cluster")
+    results = [_rows("resnet20", 2, 0.001, 0.12, 0.38, 36e6),   # ratio 2.17 on a slow host
+               _rows("resnet20", 2, 0.01, 0.11, 0.40, 36e6),
+               _rows("resnet20", 4, 0.001, 0.25, 1.50, 14e6)]
+    no_allreduce = _rows("resnet20", 8, 0.001, 0.5, 2.0, 7e6)
+    del no_allreduce["variants"]["allreduce"]
+    loopback = _rows("vgg16", 4, 0.001, 1.0, 0.9, 1e9)  # no communication visible
+    rates = bench.matched_rates(results + [no_allreduce, loopback])
+    assert set(rates) == {("resnet20", 2), ("resnet20", 4)}
+    # a configuration's densities averaged, each through netem_cluster.matching_rate
+    expected = (netem.matching_rate(0.12, 0.38, 36e6) + netem.matching_rate(0.11, 0.40, 36e6)) / 2
+    bps, ratios = rates[("resnet20", 2)]
+    assert bps == pytest.approx(expected) and bps < 0.7 * 36e6  # ratio ~2.4 of 4: ~0.6 x rate
+    assert ratios == pytest.approx([0.26 / 0.12, 0.29 / 0.11])
+    # at the matched rate the same communication takes four times the compute step
+    bps4, _ = rates[("resnet20", 4)]
+    assert (1.25 * 14e6 / bps4) / 0.25 == pytest.approx(4.0)
+    # the printed arguments are accepted by --rate and name the same rates
+    arguments = bench.matched_rate_arguments(rates)
+    assert arguments[0].startswith("--rate resnet20:2=") and arguments[0].endswith("kbit")
+    for argument in arguments:
+        key, rate = bench._rate_override(argument.split(" ", 1)[1])
+        assert netem.parse_rate(rate) == pytest.approx(rates[key][0], abs=500)
+
+
+def test_matched_rates_read_a_results_directory_and_say_when_it_has_none(tmp_path, capsys):
+    path = tmp_path / "bench_resnet20_n2_d0.001.json"
+    path.write_text(json.dumps(_rows("resnet20", 2, 0.001, 0.1, 0.3, 20e6)))
+    assert bench.main(["--matched-rates", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "resnet20 N=2: measured comm/compute 2.00 -> 10 Mbit/s for 4" in out
+    assert out.strip().endswith("--rate resnet20:2=10000kbit")
+    with pytest.raises(SystemExit, match="--matched-rates: no result in .* has both"):
+        bench.main(["--matched-rates", "--results-dir", str(tmp_path / "empty")])
+
+
 def test_the_a_a_control_is_on_request_and_reported_as_the_noise_floor():
     # not run unless asked for: the default hooks leave it out, --hooks can name it
     assert "topk_again" not in bench.parse_args([]).hooks
