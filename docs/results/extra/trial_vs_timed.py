@@ -2,7 +2,9 @@
 the default beside TopK-SGD (docs/results/bench_*.json and extra/bench_*.json): per run,
 the trial winner's measured time over `single`'s, the duel's ratio if one ran, and the
 timed default over TopK-SGD (with the A/A control where there is one). Then medians by
-kind of winner. Run from the repository root: python docs/results/extra/trial_vs_timed.py"""
+kind of winner, and last the duel's reading of a multi-group plan against `single` beside
+the same plan's timed rounds. Run from the repository root:
+python docs/results/extra/trial_vs_timed.py"""
 import glob
 import json
 import os
@@ -65,3 +67,49 @@ for lo, hi in ((0.0, 0.95), (0.95, 0.97), (0.97, 0.98), (0.98, 1.02)):
     if ratios:
         print(f"  several groups, trial {lo:.2f}-{hi:.2f}: {len(ratios)} runs, "
               f"{min(ratios):.3f}-{max(ratios):.3f}, mean {statistics.mean(ratios):.3f}")
+
+# The duel against the timed rounds (plan_selection.BASELINE_MARGIN applies to the duel's
+# reading): per run whose duel set `single` against a plan X of several groups, how much
+# faster the duel read X than `single`, and how much faster X ran in the timed rounds -
+# the default's own rows when it ran X, else a fixed variant whose groups are exactly X's
+# - against the mean of TopK-SGD and its A/A copy (the two positions of the same plan,
+# so the round order's favour cancels as far as it can). Runs in the drawn order
+# (``round_orders`` in the JSON, since e54d13b) are listed apart from the rotated ones.
+print("the duel's reading of a plan of several groups against `single`, and the same plan timed:")
+errors = {"rotated": [], "drawn": []}
+for path in paths:
+    result = json.load(open(path))
+    variants = result.get("variants", {})
+    if "default" not in variants or "topk" not in variants:
+        continue
+    trial = (((variants["default"].get("hook") or {}).get("selection") or {})
+             .get("last_trial") or {})
+    duel = trial.get("duel") or {}
+    if duel.get("median_ratio") is None or "single" not in (duel["winner"], duel["rival"]):
+        continue
+    other = duel["rival"] if duel["winner"] == "single" else duel["winner"]
+    # median_ratio is the rival's reading over the winner's: read as single over X
+    read = duel["median_ratio"] if duel["rival"] == "single" else 1.0 / duel["median_ratio"]
+    groups = {c["name"]: c["groups"] for c in trial["candidates"]}
+    again = variants.get("topk_again")
+    reference = (variants["topk"]["median_s"] + again["median_s"]) / 2 if again else None
+    timed, source = None, None
+    if trial.get("winner") == other:
+        timed, source = variants["default"]["median_s"], "default"
+    else:
+        for name in ("omgs", "greedy", "omgs_dense", "lags"):
+            if ((variants.get(name) or {}).get("hook") or {}).get("plan_groups") == groups[other]:
+                timed, source = variants[name]["median_s"], name
+                break
+    if timed is None or reference is None:
+        continue
+    order = "drawn" if "round_orders" in result else "rotated"
+    read_gain, timed_gain = read - 1.0, reference / timed - 1.0
+    errors[order].append(read_gain - timed_gain)
+    print(f"  {os.path.basename(path)[len('bench_'):-len('.json')]:42s} {order:7s} {other:15s} "
+          f"read {100 * read_gain:+5.1f}%  timed ({source}) {100 * timed_gain:+5.1f}%")
+for order, values in errors.items():
+    if values:
+        print(f"  {order} order: {len(values)} runs, read minus timed gain: median "
+              f"{100 * statistics.median(values):+.1f}%, mean {100 * statistics.mean(values):+.1f}%, "
+              f"{100 * min(values):+.1f}% to {100 * max(values):+.1f}%")
