@@ -9,7 +9,7 @@ baseline_margin.py uses. Five scenarios, two of them the shape of ResNet-20 N=2 
 trials whose choice ran more than 2% behind the best plan, the share more than 2%
 behind `single`, and the trial's mean length in steps. Run from the repository root
 with PYTHONPATH=src: python .../duel_extension.py [TRIALS]"""
-import math, os, random, statistics, sys
+import os, random, statistics, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sim  # noqa: E402
 from omgs_hook import plan_selection as ps  # noqa: E402
@@ -20,23 +20,18 @@ class ExtendedDuelTrial(ps.Trial):
     band = 0.0
 
     def _finish_duel(self, turn_readings, step):
+        super()._finish_duel(turn_readings, step)  # this round's ratios, and a decision
         winner, rival = self.duel["winner"], self.duel["rival"]
-        turns = self.rounds[-1]
-        ratios = list(self.duel.get("first", []))
-        for p in range(len(turns) // 2):
-            reading = {turns[2 * p]: turn_readings[2 * p],
-                       turns[2 * p + 1]: turn_readings[2 * p + 1]}
-            if all(0 < reading[i] < math.inf for i in (winner, rival)):
-                ratios.append(reading[rival] / reading[winner])
+        ratios = self.duel.get("first", []) + self.duel["ratios"]
         self.duel["ratios"] = ratios
         to_beat = self._duel_to_beat()
         median = statistics.median(ratios)
         if "first" not in self.duel and abs(median / to_beat - 1) < self.band:
-            self.duel["first"] = ratios
-            self._next_round(ps.DUEL, list(turns), step)
+            self.duel["first"] = ratios  # too close: take the decision back, duel again
+            self.winner, self.decided_at = None, None
+            self._next_round(ps.DUEL, list(self.rounds[-1]), step)
             return None
         self.winner = rival if median < to_beat else winner
-        self.decided_at = int(step)
         return self.winner
 
 
