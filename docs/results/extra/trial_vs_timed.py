@@ -13,9 +13,13 @@ import statistics
 HERE = os.path.dirname(os.path.abspath(__file__))
 paths = sorted(glob.glob(os.path.join(HERE, "bench_*.json")))
 paths += sorted(glob.glob(os.path.join(HERE, "..", "bench_*.json")))
+results = {}  # path -> its result, read once for both sections
+for path in paths:
+    with open(path) as handle:
+        results[path] = json.load(handle)
 rows = []
 for path in paths:
-    variants = json.load(open(path)).get("variants", {})
+    variants = results[path].get("variants", {})
     if "default" not in variants or "topk" not in variants:
         continue
     hook = variants["default"].get("hook") or {}
@@ -78,7 +82,7 @@ for lo, hi in ((0.0, 0.95), (0.95, 0.97), (0.97, 0.98), (0.98, 1.02)):
 print("the duel's reading of a plan of several groups against `single`, and the same plan timed:")
 errors = {"rotated": [], "drawn": []}
 for path in paths:
-    result = json.load(open(path))
+    result = results[path]
     variants = result.get("variants", {})
     if "default" not in variants or "topk" not in variants:
         continue
